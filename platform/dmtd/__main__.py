@@ -1,0 +1,5 @@
+import sys
+
+from dmtd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,18 @@
+"""Arguments of ``dmtd bench engine`` (kept apart so the CLI parser stays import-light)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2)")
+    p.add_argument("--decoding-layers", type=int, default=8, help="D for the DMTD rows")
+    p.add_argument("--taus", default="2,3,4", help="DMTD cycle lengths to measure")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="timed repeats per configuration (best is kept)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate baseline")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot path (default: next to --json)")

@@ -1,0 +1,179 @@
+"""The ``dmtd`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+SHIPPED_VARIANTS = Path(__file__).resolve().parent / "variants" / "shipped"
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as ``error: ...`` with exit code 2."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from dmtd.engine.config import ConfigError
+    from dmtd.engine.sequence import RequestError
+    from dmtd.variants.manifest import ManifestError
+    from dmtd.variants.smollm2 import ModelNotFoundError
+
+    return UsageError, ConfigError, RequestError, ManifestError, ModelNotFoundError
+
+
+def default_variant() -> str:
+    """The shipped variant if one exists, else the plain base model."""
+    if SHIPPED_VARIANTS.is_dir():
+        names = sorted(p.parent.name for p in SHIPPED_VARIANTS.glob("*/variant.json"))
+        if names:
+            return names[0]
+    return "none"
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="base model: 'smollm2' (default) or a local HF directory")
+    p.add_argument("--variant", default=None,
+                   help="DMTD variant name or manifest path; 'none' = the plain base model "
+                   "(default: the shipped variant, if any)")
+    p.add_argument("--decoding-layers", type=int, default=None,
+                   help="with --variant none: run the base model with DMTD routing and this many decoding layers")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="raw prompt text")
+    src.add_argument("--chat", default=None, metavar="MESSAGE",
+                     help="a user message rendered with the model's chat template")
+    p.add_argument("--tau", type=int, default=None, help="cycle length τ (default: the variant's)")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="end a cycle early when a tail token's top-1 probability is below this")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from dmtd.engine.config import EngineConfig
+    from dmtd.engine.sequence import SamplingParams
+    from dmtd.variants.build import build_engine, engine_spec
+
+    if args.prompt is None and args.chat is None:
+        raise UsageError("one of --prompt or --chat is required")
+    if args.greedy and args.temperature:
+        raise UsageError("--greedy and --temperature > 0 contradict each other")
+    variant = args.variant if args.variant is not None else (
+        "none" if args.decoding_layers is not None else default_variant())
+    if args.decoding_layers is not None and variant != "none":
+        raise UsageError("--decoding-layers applies only with --variant none")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = engine_spec(args.model, variant, args.decoding_layers, device=device, search_dirs=[SHIPPED_VARIANTS])
+    engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device))
+    tau = args.tau if args.tau is not None else spec.default_tau
+    params = SamplingParams(
+        temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, cycle_len=tau,
+        min_confidence=spec.min_confidence if args.min_confidence is None else args.min_confidence,
+    )
+    prompt = [{"role": "user", "content": args.chat}] if args.chat is not None else args.prompt
+    prompt_ids = engine.encode(prompt)
+    tokens: list[int] = []
+    blocks: list[int] = []
+    text = []
+    t_first = None
+    finish = None
+    for out in engine.stream(prompt_ids, params):
+        if t_first is None:
+            t_first = time.perf_counter()
+        if out.error:
+            raise UsageError(out.error)
+        tokens.append(out.token_id)
+        text.append(out.text_delta)
+        if not args.json:
+            print(out.text_delta, end="", flush=True)
+        if out.block:
+            blocks.append(len(out.block))
+        finish = out.finish_reason
+    dt = time.perf_counter() - (t_first or time.perf_counter())
+    tok_s = (len(tokens) - 1) / dt if dt > 0 and len(tokens) > 1 else 0.0
+    mean_block = sum(blocks) / len(blocks) if blocks else 0.0
+    if not args.json:
+        print()
+    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}, "
+          f"finish={finish}]", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({
+            "prompt_token_ids": prompt_ids, "token_ids": tokens, "text": "".join(text),
+            "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks, "tau": tau,
+            "finish_reason": finish, "variant": variant,
+        }))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dmtd.variants.smollm2 import smollm2_dir
+
+    print(smollm2_dir())
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from dmtd.bench.engine_bench import run_engine_bench
+
+    run_engine_bench(args)
+    return 0
+
+
+def cmd_bench_autoscale(args: argparse.Namespace) -> int:
+    from dmtd_operator.simulate import main as simulate_main
+
+    return int(simulate_main(args.rest))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dmtd", description="Direct Multi-Token Decoding platform")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with a base model or DMTD variant")
+    add_generation_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("convert", help="convert the embedded SmolLM2 GGUF into the safetensors cache")
+    c.set_defaults(func=cmd_convert)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="HF generate vs engine τ=1 vs DMTD τ=2,3,4 at several batch sizes")
+    from dmtd.bench.engine_args import add_engine_bench_args
+
+    add_engine_bench_args(be)
+    be.set_defaults(func=cmd_bench_engine)
+    ba = bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies",
+                         add_help=False)
+    ba.add_argument("rest", nargs=argparse.REMAINDER)
+    ba.set_defaults(func=cmd_bench_autoscale)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Engine configuration: the model architecture, the DMTD routing of a variant, and the runtime limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PhaseAnchor = Literal["prompt_end", "absolute"]
+HeadInput = Literal["residual_add", "replace"]
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mtpqwen3")
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule; the message names the field and the rule."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict (transformers v4 or v5 layout)."""
+        model_type = str(d.get("model_type", "llama"))
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        rope = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or None
+        theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if scaling is None and rope_type not in (None, "default"):
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        eos = d.get("eos_token_id")
+        eos_ids = [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
+        is_qwen = model_type.startswith(("qwen", "mtpqwen"))
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=is_qwen and model_type != "qwen2",
+            model_type=model_type,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(slots=True)
+class DMTDConfig:
+    """Layer split and routing conventions of a DMTD variant (design.md §1).
+
+    ``num_encoding_layers`` (E) + ``num_thinking_layers`` (T) + ``num_decoding_layers`` (D) = L.
+    A head position runs all layers; a tail runs the encoding and decoding layers only and has its
+    thinking-layer KV refilled at the next head.
+    """
+
+    num_encoding_layers: int
+    num_thinking_layers: int
+    num_decoding_layers: int
+    tau_max: int = 4
+    phase_anchor: PhaseAnchor = "prompt_end"
+    head_input: HeadInput = "replace"
+
+    def __post_init__(self) -> None:
+        if self.num_encoding_layers < 0:
+            raise ConfigError(f"num_encoding_layers must be >= 0, got {self.num_encoding_layers}")
+        if self.num_thinking_layers < 1:
+            raise ConfigError(f"num_thinking_layers must be >= 1, got {self.num_thinking_layers}")
+        if self.num_decoding_layers < 1:
+            raise ConfigError(f"num_decoding_layers must be >= 1, got {self.num_decoding_layers}")
+        if self.tau_max < 1:
+            raise ConfigError(f"tau_max must be >= 1, got {self.tau_max}")
+        if self.phase_anchor not in ("prompt_end", "absolute"):
+            raise ConfigError(f"phase_anchor must be 'prompt_end' or 'absolute', got {self.phase_anchor!r}")
+        if self.head_input not in ("residual_add", "replace"):
+            raise ConfigError(f"head_input must be 'residual_add' or 'replace', got {self.head_input!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_encoding_layers + self.num_thinking_layers + self.num_decoding_layers
+
+    @property
+    def thinking_start(self) -> int:
+        return self.num_encoding_layers
+
+    @property
+    def decoding_start(self) -> int:
+        return self.num_encoding_layers + self.num_thinking_layers
+
+    def check_model(self, model: ModelConfig) -> None:
+        if self.num_layers != model.num_layers:
+            raise ConfigError(
+                f"layer split E+T+D = {self.num_encoding_layers}+{self.num_thinking_layers}+"
+                f"{self.num_decoding_layers} = {self.num_layers} must equal the model's "
+                f"num_hidden_layers ({model.num_layers})"
+            )
+
+    @classmethod
+    def plain(cls, num_layers: int, num_decoding_layers: int = 1, tau_max: int = 1) -> DMTDConfig:
+        """Routing for a base model without DMTD training: ``replace`` heads, so τ=1 is the base model."""
+        if not 1 <= num_decoding_layers < num_layers:
+            raise ConfigError(
+                f"decoding_layers must be in 1..{num_layers - 1} for a {num_layers}-layer model, "
+                f"got {num_decoding_layers}"
+            )
+        return cls(0, num_layers - num_decoding_layers, num_decoding_layers, tau_max, "prompt_end", "replace")
+
+    def first_head_after_prompt(self, prompt_len: int, tau: int) -> tuple[bool, int]:
+        """Whether the last prompt position is a head, and the next head position after it."""
+        last = prompt_len - 1
+        if self.phase_anchor == "prompt_end":
+            return True, last + tau
+        return last % tau == 0, (last // tau + 1) * tau
+
+    def next_head(self, head_pos: int, tau: int) -> int:
+        """The next scheduled head after a head at ``head_pos`` with cycle length ``tau``."""
+        if self.phase_anchor == "absolute" and head_pos % tau == 0:
+            return head_pos + tau
+        if self.phase_anchor == "absolute":
+            return (head_pos // tau + 1) * tau
+        return head_pos + tau
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Runtime limits of one engine instance."""
+
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_prefill_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ConfigError(f"dtype must be float32, bfloat16, float16 or float64, got {self.dtype!r}")

@@ -1,0 +1,278 @@
+"""The engine facade: requests in, per-step token events (with text deltas and DMTD blocks) out."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.model import Transformer
+from dmtd.engine.runner import ModelRunner
+from dmtd.engine.sampler import sample
+from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
+from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
+
+
+class Detokenizer:
+    """Incremental, UTF-8-safe detokenization (holds back a trailing partial character)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
+        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step did for one request (``block`` set when a cycle completed)."""
+
+    req_id: str
+    token_id: int
+    is_head: bool
+    confidence: float
+    text_delta: str
+    block: list[int] | None = None
+    block_confidences: list[float] | None = None
+    cycle_len: int = 1
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    blocks: list[list[int]] = field(default_factory=list)
+    head_flags: list[bool] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    decode_time_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def mean_block_len(self) -> float:
+        return sum(map(len, self.blocks)) / len(self.blocks) if self.blocks else 0.0
+
+
+class LLMEngine:
+    """Continuous-batching DMTD engine over one model.
+
+    ``add_request`` validates and queues; ``step`` runs one prefill or decode batch and returns one
+    :class:`StepOutput` per request it touched; ``abort`` frees a request's slot at once.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Any, dmtd: DMTDConfig,
+                 cfg: EngineConfig | None = None, default_cycle_len: int | None = None,
+                 eos_token_ids: list[int] | None = None) -> None:
+        self.cfg = cfg or EngineConfig()
+        self.dmtd = dmtd
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, dmtd, self.cfg)
+        self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
+                                   self.cfg.max_prefill_tokens)
+        self.default_cycle_len = default_cycle_len or dmtd.tau_max
+        eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.append(int(tokenizer.eos_token_id))
+        self.eos_ids = set(eos)
+        self.seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._gens: dict[str, torch.Generator | None] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt: raw ids, text, or chat messages (rendered with the chat template)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "must not be empty")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if prompt and isinstance(prompt[0], dict):
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        vocab = self.runner.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError("prompt_token_ids", f"token ids must be in 0..{vocab - 1}")
+        return ids
+
+    def add_request(self, prompt: str | list[int] | list[dict[str, str]], params: SamplingParams | None = None,
+                    req_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        req_id = req_id or uuid.uuid4().hex
+        if req_id in self.seqs:
+            raise RequestError("request_id", f"{req_id!r} is already in use")
+        tau = params.cycle_len if params.cycle_len is not None else self.default_cycle_len
+        seq = Sequence(req_id, self.encode(prompt), params, cycle_len=tau)
+        self.scheduler.add(seq)
+        self.seqs[req_id] = seq
+        self._detok[req_id] = Detokenizer(self.tokenizer) if self.tokenizer is not None else None  # type: ignore
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self._gens[req_id] = gen
+        return req_id
+
+    def set_cycle_len(self, req_id: str, tau: int) -> None:
+        """Change a running request's τ; it takes effect at its next head."""
+        if not 1 <= tau <= self.dmtd.tau_max:
+            raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max}, got {tau}")
+        self.seqs[req_id].cycle_len = tau
+
+    def abort(self, req_id: str) -> bool:
+        """Cancel a request; its cache slot is free on return. False if it was unknown or done."""
+        seq = self.seqs.pop(req_id, None)
+        self._detok.pop(req_id, None)
+        self._gens.pop(req_id, None)
+        if seq is None or seq.finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return []
+        logits = self.runner.prefill(out.prefill) if out.is_prefill else self.runner.decode(out.decode)
+        seqs = out.seqs
+        tokens, confs, finite = sample(logits, [s.params for s in seqs], [self._gens.get(s.req_id) for s in seqs])
+        failed = [s for s, ok in zip(seqs, finite) if not ok]
+        results: list[StepOutput] = []
+        for s in failed:
+            self.scheduler.finish(s, "error", "the model produced non-finite logits")
+            results.append(StepOutput(s.req_id, -1, s.next_is_head, math.nan, "", s.block or None, None,
+                                      s.cycle_len, True, "error", s.error))
+            self._forget(s.req_id)
+        if failed:
+            keep = [i for i, ok in enumerate(finite) if ok]
+            out = SchedulerOutput(prefill=[seqs[i] for i in keep] if out.is_prefill else [],
+                                  decode=[] if out.is_prefill else [seqs[i] for i in keep])
+            tokens, confs = [tokens[i] for i in keep], [confs[i] for i in keep]
+        for ev in self.scheduler.postprocess(out, tokens, confs, self.eos_ids):
+            results.append(self._to_output(ev))
+        return results
+
+    def _to_output(self, ev: TokenEvent) -> StepOutput:
+        seq = self.seqs[ev.req_id]
+        det = self._detok.get(ev.req_id)
+        delta = ""
+        if det is not None and not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):
+            delta = det.push(ev.token_id)
+            hit = self._find_stop(det.text, seq.params.stop, len(delta))
+            if hit is not None:
+                cut = len(det.text) - hit
+                delta = delta[: len(delta) - cut] if cut <= len(delta) else ""
+                det.text = det.text[:hit]
+                if not ev.finished:
+                    self.scheduler.finish(seq, "stop")
+                    ev.finished, ev.finish_reason = True, "stop"
+                    if ev.block is None:
+                        ev.block, ev.block_confidences = seq.block, seq.block_confidences
+                        seq.block, seq.block_confidences = [], []
+        res = StepOutput(ev.req_id, ev.token_id, ev.is_head, ev.confidence, delta, ev.block, ev.block_confidences,
+                         seq.cycle_len, ev.finished, ev.finish_reason)
+        if ev.finished:
+            self._forget(ev.req_id, keep_seq=True)
+        return res
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str], delta_len: int) -> int | None:
+        if not stops:
+            return None
+        best = None
+        for s in stops:
+            i = text.find(s, max(0, len(text) - delta_len - len(s) + 1))
+            if i >= 0 and (best is None or i < best):
+                best = i
+        return best
+
+    def _forget(self, req_id: str, keep_seq: bool = False) -> None:
+        self._gens.pop(req_id, None)
+        if not keep_seq:
+            self.seqs.pop(req_id, None)
+            self._detok.pop(req_id, None)
+
+    def release(self, req_id: str) -> None:
+        """Drop a finished request's bookkeeping."""
+        self.seqs.pop(req_id, None)
+        self._detok.pop(req_id, None)
+        self._gens.pop(req_id, None)
+
+    # -- conveniences ---------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int] | list[dict[str, str]],
+               params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Run one request alone (plus whatever else is queued) and yield its step outputs."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for o in self.step():
+                    if o.req_id == rid:
+                        yield o
+                        if o.finished:
+                            return
+        finally:
+            self.abort(rid)
+            self.release(rid)
+
+    def generate(self, prompts: list[str] | list[list[int]] | list[list[dict[str, str]]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Generate for all prompts together (continuous batching) and return results in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        res = {rid: GenerationResult(rid, list(self.seqs[rid].token_ids), [], "", None) for rid in ids}
+        t0 = None
+        while any(r.finish_reason is None for r in res.values()):
+            outs = self.step()
+            if t0 is None:
+                t0 = time.perf_counter()  # decode time starts after the first (prefill) step
+            for o in outs:
+                r = res.get(o.req_id)
+                if r is None:
+                    continue
+                if o.token_id >= 0:
+                    r.token_ids.append(o.token_id)
+                    r.head_flags.append(o.is_head)
+                    r.confidences.append(o.confidence)
+                r.text += o.text_delta
+                if o.block:
+                    r.blocks.append(o.block)
+                if o.finished:
+                    r.finish_reason, r.error = o.finish_reason, o.error
+                    r.decode_time_s = time.perf_counter() - (t0 or time.perf_counter())
+                    self.release(o.req_id)
+        return [res[rid] for rid in ids]

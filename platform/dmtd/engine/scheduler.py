@@ -1,0 +1,155 @@
+"""Continuous-batching scheduler (torch-free): admission, cache slots, DMTD phases, blocks, retirement."""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from dmtd.engine.config import DMTDConfig
+from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
+
+
+class CapacityError(RequestError):
+    """The request can never fit this engine (context length)."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs: either a prefill batch or a decode batch (heads and tails mixed)."""
+
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.prefill or self.decode
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """The result of one step for one sequence."""
+
+    req_id: str
+    token_id: int
+    position: int  # position whose logits produced the token
+    is_head: bool
+    confidence: float
+    block: list[int] | None = None  # set when this token completes a cycle's block
+    block_confidences: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    """Admits and retires sequences at any step; one KV-cache slot per running sequence."""
+
+    def __init__(self, dmtd: DMTDConfig, max_num_seqs: int, max_model_len: int,
+                 max_prefill_tokens: int) -> None:
+        self.dmtd = dmtd
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs))
+        heapq.heapify(self._free_slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens == 0:
+            raise RequestError("prompt", "must not be empty")
+        if seq.num_tokens >= self.max_model_len:
+            raise CapacityError(
+                "prompt", f"{seq.num_tokens} tokens do not fit the context of {self.max_model_len} "
+                f"(at most {self.max_model_len - 1} prompt tokens)"
+            )
+        if not 1 <= seq.cycle_len <= self.dmtd.tau_max:
+            raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max} (the variant's tau_max), "
+                               f"got {seq.cycle_len}")
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Prefill newly admitted sequences if any fit, else one decode step for every running one."""
+        out = SchedulerOutput()
+        budget = self.max_prefill_tokens
+        while self.waiting and self._free_slots:
+            seq = self.waiting[0]
+            if out.prefill and seq.num_tokens > budget:
+                break
+            self.waiting.popleft()
+            seq.slot = heapq.heappop(self._free_slots)
+            seq.status = SequenceStatus.RUNNING
+            budget -= seq.num_tokens
+            out.prefill.append(seq)
+        if out.prefill:
+            self.running.extend(out.prefill)
+            self.running.sort(key=lambda s: s.slot)
+            return out
+        out.decode = list(self.running)
+        return out
+
+    def postprocess(self, out: SchedulerOutput, tokens: list[int], confidences: list[float],
+                    eos_ids: set[int]) -> list[TokenEvent]:
+        """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire."""
+        events = []
+        for seq, tok, conf in zip(out.seqs, tokens, confidences):
+            pos = seq.position
+            if out.is_prefill:
+                is_head, seq.next_head_pos = self.dmtd.first_head_after_prompt(seq.num_tokens, seq.cycle_len)
+                seq.num_think_cached = seq.num_tokens
+            else:
+                is_head = pos == seq.next_head_pos
+                if is_head:
+                    seq.num_think_cached = pos + 1
+                    seq.next_head_pos = self.dmtd.next_head(pos, seq.cycle_len)
+            seq.num_heads += is_head
+            seq.num_tails += not is_head
+            seq.token_ids.append(tok)
+            seq.block.append(tok)
+            seq.block_confidences.append(conf)
+            new_pos = seq.position
+            if new_pos < seq.next_head_pos and conf < seq.params.min_confidence:
+                seq.next_head_pos = new_pos
+                seq.num_cycles_cut += 1
+            ev = TokenEvent(seq.req_id, tok, pos, is_head, conf)
+            reason = self._stop_reason(seq, tok, eos_ids)
+            if reason is not None:
+                self.finish(seq, reason)
+                ev.finished, ev.finish_reason = True, reason
+            if reason is not None or new_pos == seq.next_head_pos:
+                ev.block, ev.block_confidences = seq.block, seq.block_confidences
+                seq.block, seq.block_confidences = [], []
+            events.append(ev)
+        return events
+
+    def _stop_reason(self, seq: Sequence, tok: int, eos_ids: set[int]) -> str | None:
+        if tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in eos_ids):
+            return "stop"
+        if seq.num_generated >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Retire a sequence (finished, cancelled or failed) and free its slot at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            heapq.heappush(self._free_slots, seq.slot)
+        else:
+            self.waiting.remove(seq)
+        seq.slot = -1
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.error = reason, error

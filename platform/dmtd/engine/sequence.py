@@ -1,0 +1,122 @@
+"""Per-request state: sampling parameters and the sequence bookkeeping (torch-free)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestError(ValueError):
+    """A request breaks a rule; ``field`` names the offending request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request generation settings. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    cycle_len: int | None = None  # τ; None = the variant's default
+    min_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise RequestError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.cycle_len is not None and self.cycle_len < 1:
+            raise RequestError("tau", f"must be >= 1, got {self.cycle_len}")
+        if not (0.0 <= self.min_confidence <= 1.0):
+            raise RequestError("min_confidence", f"must be in [0, 1], got {self.min_confidence}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop", "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request inside the engine.
+
+    Positions: the token at index ``i`` sits at position ``i``. A step feeds the last token (position
+    ``num_tokens - 1``); it is a head iff that position equals ``next_head_pos``. The thinking group
+    holds KV for positions ``< num_think_cached``; the tail positions in between wait for refill.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    cycle_len: int
+    prompt_len: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int = -1
+    num_think_cached: int = 0
+    next_head_pos: int = 0
+    block: list[int] = field(default_factory=list)
+    block_confidences: list[float] = field(default_factory=list)
+    num_heads: int = 0
+    num_tails: int = 0
+    num_cycles_cut: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    seq_no: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def position(self) -> int:
+        """Position of the token the next decode step feeds."""
+        return len(self.token_ids) - 1
+
+    @property
+    def next_is_head(self) -> bool:
+        return self.position == self.next_head_pos
+
+    @property
+    def num_pending(self) -> int:
+        """Tail positions whose thinking-layer KV awaits refill."""
+        return self.position - self.num_think_cached
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,92 @@
+"""Offline model loading: the embedded SmolLM2 default, Hugging Face directories, authors' DMTD checkpoints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from dmtd.engine.config import ConfigError, DMTDConfig, ModelConfig
+from dmtd.engine.model import Transformer
+from dmtd.variants.smollm2 import ModelNotFoundError, smollm2_dir
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for the engine, with what its checkpoint said about DMTD routing (if anything)."""
+
+    path: Path
+    model: Transformer
+    tokenizer: Any
+    config: ModelConfig
+    dmtd: DMTDConfig | None  # set for checkpoints in the authors' DMTD format
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """``None`` / ``"smollm2"`` → the converted embedded default; otherwise a local directory."""
+    if model is None or str(model) in (DEFAULT_MODEL, "default"):
+        return smollm2_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model path {str(path)!r} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model path {str(path)!r} has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ModelNotFoundError(f"model path {str(path)!r} has no *.safetensors weights")
+    return path
+
+
+def authors_dmtd_config(raw: dict[str, Any], tau_max: int | None = None) -> DMTDConfig | None:
+    """Routing from the authors' config fields (``num_*_layers``, ``mtp_horizon``), if present."""
+    keys = ("num_encoding_layers", "num_thinking_layers", "num_decoding_layers")
+    if not any(k in raw for k in keys):
+        return None
+    missing = [k for k in keys if k not in raw]
+    if missing:
+        raise ConfigError(f"DMTD checkpoint config lacks {', '.join(missing)}")
+    horizon = int(raw.get("mtp_horizon", tau_max or 4))
+    # The authors' training code anchors cycles at absolute positions and adds the thinking output.
+    return DMTDConfig(int(raw["num_encoding_layers"]), int(raw["num_thinking_layers"]),
+                      int(raw["num_decoding_layers"]), tau_max or horizon, "absolute", "residual_add")
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               rope_len: int | None = None, tokenizer: bool = True) -> LoadedModel:
+    """Load a Llama / Qwen2 / Qwen3 / DMTD model directory (or the embedded default) offline."""
+    path = resolve_model_path(model)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    cfg = ModelConfig.from_hf(raw)
+    dmtd = authors_dmtd_config(raw)
+    if dmtd is not None:
+        dmtd.check_model(cfg)
+    net = Transformer(cfg, rope_len=rope_len or min(cfg.max_position_embeddings, 8192))
+    net.load_hf_state_dict(load_state_dict(path))
+    net = net.to(device=device, dtype=dtype).eval()
+    net.requires_grad_(False)
+    tok = load_tokenizer(path) if tokenizer else None
+    return LoadedModel(path, net, tok, cfg, dmtd)
