@@ -1,0 +1,63 @@
+"""Names shared by the CRD, the operator, the chart and the tests."""
+
+from __future__ import annotations
+
+GROUP = "serving.dmtd.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DMTDDeployment"
+PLURAL = "dmtddeployments"
+SINGULAR = "dmtddeployment"
+SHORT_NAMES = ("dmtd",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+RAY_GROUP = "ray.io"
+RAY_VERSION = "v1"
+RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"
+RAY_SERVICE_KIND = "RayService"
+RAY_SERVICE_PLURAL = "rayservices"
+
+SERVE_APP_NAME = "dmtd"
+SERVE_IMPORT_PATH = "dmtd.serve.app:build_app"
+REPLICA_DEPLOYMENT = "DMTDReplica"
+GATEWAY_DEPLOYMENT = "Gateway"
+GATEWAY_GRPC_PORT = 9000
+"""Ray Serve's gRPC proxy port (serveConfigV2 grpc_options.port)."""
+SERVE_HTTP_PORT = 8000
+METRICS_PORT = 8080
+
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_INSTANCE = f"{GROUP}/deployment"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+MANAGED_BY = "dmtd-operator"
+
+ANNOTATION_METRICS_WINDOW = f"metrics.{GROUP}/window"
+"""JSON metrics window read by the `annotation` metrics source (tests, manual overrides)."""
+
+FINALIZER = f"{GROUP}/cleanup"
+
+
+def ray_service_name(name: str) -> str:
+    """Name of the RayService owned by DMTDDeployment `name`."""
+    return f"{name}-ray"
+
+
+def gateway_service_name(name: str) -> str:
+    """Name of the gateway Service owned by DMTDDeployment `name`."""
+    return f"{name}-gateway"
+
+
+def registry_configmap_name(name: str) -> str:
+    """Name of the ConfigMap mirroring the registry entries of DMTDDeployment `name`."""
+    return f"{name}-registry"
+
+
+def child_labels(name: str, component: str) -> dict[str, str]:
+    """Labels put on every object the operator creates for DMTDDeployment `name`."""
+    return {
+        LABEL_PART_OF: "dmtd",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: component,
+    }

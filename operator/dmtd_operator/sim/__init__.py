@@ -1,0 +1,1 @@
+"""`dmtd bench autoscale`: a deterministic replay of load traces against the autoscaling policies."""
