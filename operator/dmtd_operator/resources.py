@@ -24,7 +24,8 @@ GATEWAY_DEPLOYMENT = "Gateway"
 GATEWAY_GRPC_PORT = 9000
 """Ray Serve's gRPC proxy port (serveConfigV2 grpc_options.port)."""
 SERVE_HTTP_PORT = 8000
-METRICS_PORT = 8080
+METRICS_PORT = 9464
+"""Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""
 
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -46,6 +47,11 @@ def ray_service_name(name: str) -> str:
 def gateway_service_name(name: str) -> str:
     """Name of the gateway Service owned by DMTDDeployment `name`."""
     return f"{name}-gateway"
+
+
+def metrics_service_name(name: str) -> str:
+    """Name of the headless Service the ServiceMonitor scrapes for DMTDDeployment `name`."""
+    return f"{name}-metrics"
 
 
 def registry_configmap_name(name: str) -> str:

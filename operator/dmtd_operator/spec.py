@@ -221,6 +221,10 @@ class Serving(_Model):
         default="", description="Redis URL of the variant registry; empty = operator default."
     )
     route_prefix: str = Field(default="/", description="Serve route prefix of the gateway.")
+    head_cpu: str = Field(default="2", description="CPU request of the Ray head pod (runs the gateway).")
+    head_memory: str = Field(default="8Gi", description="Memory of the Ray head pod.")
+    worker_cpu: str = Field(default="4", description="CPU request of one replica's worker pod.")
+    worker_memory: str = Field(default="32Gi", description="Memory of one replica's worker pod.")
     grpc_servicer_functions: list[str] = Field(
         default_factory=lambda: list(DEFAULT_GRPC_SERVICERS),
         max_length=8,

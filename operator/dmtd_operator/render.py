@@ -1,0 +1,202 @@
+"""Pure rendering of the objects a DMTDDeployment owns: the KubeRay RayService and two Services.
+
+Ray Serve's own autoscaling stays off: each deployment has a fixed `num_replicas` that only the operator
+changes (a lightweight, in-place Serve update), and the replicas' tau bounds travel in `user_config`
+(also lightweight: Serve calls the replica's `reconfigure`). Pods follow the Serve replicas through
+KubeRay's in-tree node autoscaler, which only provisions what pending actors need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from dmtd_operator import resources as r
+from dmtd_operator.spec import DMTDDeploymentSpec
+
+Body = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What to render: which deployment, at what scale and tau, registered where."""
+
+    name: str
+    namespace: str
+    spec: DMTDDeploymentSpec
+    replicas: int
+    tau_min: int
+    tau_max: int
+    registry_url: str
+    owner: Body | None = None
+
+
+def _meta(t: Target, name: str, component: str) -> Body:
+    meta: Body = {"name": name, "namespace": t.namespace, "labels": r.child_labels(t.name, component)}
+    if t.owner is not None:
+        meta["ownerReferences"] = [t.owner]
+    return meta
+
+
+def serve_config(t: Target) -> Body:
+    """The Serve config (serveConfigV2) as a dict."""
+    s = t.spec
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": r.SERVE_HTTP_PORT},
+        "grpc_options": {
+            "port": r.GATEWAY_GRPC_PORT,
+            "grpc_servicer_functions": list(s.serving.grpc_servicer_functions),
+        },
+        "applications": [
+            {
+                "name": r.SERVE_APP_NAME,
+                "route_prefix": s.serving.route_prefix,
+                "import_path": r.SERVE_IMPORT_PATH,
+                "args": {
+                    "deployment": t.name,
+                    "namespace": t.namespace,
+                    "registry_url": t.registry_url,
+                    "variants": [
+                        {"name": v.name, "model_uri": v.model_uri, "weight": v.weight} for v in s.variants
+                    ],
+                    "gpus_per_replica": s.resources.gpus_per_replica,
+                    "metrics_port": r.METRICS_PORT,
+                },
+                "deployments": [
+                    {
+                        "name": r.REPLICA_DEPLOYMENT,
+                        "num_replicas": t.replicas,
+                        "ray_actor_options": {"num_gpus": s.resources.gpus_per_replica},
+                        "user_config": {"tau_min": t.tau_min, "tau_max": t.tau_max},
+                    },
+                    {"name": r.GATEWAY_DEPLOYMENT, "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+                ],
+            }
+        ],
+    }
+
+
+def _env(t: Target) -> list[Body]:
+    return [
+        {"name": "DMTD_DEPLOYMENT", "value": t.name},
+        {"name": "DMTD_REGISTRY_URL", "value": t.registry_url},
+        {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+    ]
+
+
+def _container(t: Target, name: str, cpu: str, memory: str, gpus: int) -> Body:
+    limits: Body = {"memory": memory}
+    requests: Body = {"cpu": cpu, "memory": memory}
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+        requests["nvidia.com/gpu"] = str(gpus)
+    return {
+        "name": name,
+        "image": t.spec.serving.image,
+        "env": _env(t),
+        "ports": [
+            {"name": "serve", "containerPort": r.SERVE_HTTP_PORT},
+            {"name": "grpc", "containerPort": r.GATEWAY_GRPC_PORT},
+            {"name": "metrics", "containerPort": r.METRICS_PORT},
+        ],
+        "resources": {"requests": requests, "limits": limits},
+    }
+
+
+def ray_service(t: Target) -> Body:
+    """The KubeRay RayService (ray.io/v1) running the DMTD Serve application."""
+    s = t.spec
+    gpus = s.resources.gpus_per_replica
+    worker_pod: Body = {
+        "containers": [_container(t, "ray-worker", s.serving.worker_cpu, s.serving.worker_memory, gpus)]
+    }
+    if gpus:
+        worker_pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        if s.resources.gpu_type:
+            worker_pod["nodeSelector"] = {"nvidia.com/gpu.product": s.resources.gpu_type}
+    labels = r.child_labels(t.name, "serving")
+    return {
+        "apiVersion": r.RAY_API_VERSION,
+        "kind": r.RAY_SERVICE_KIND,
+        "metadata": _meta(t, r.ray_service_name(t.name), "serving"),
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config(t), sort_keys=False),
+            "rayClusterConfig": {
+                "rayVersion": s.serving.ray_version,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60},
+                "headGroupSpec": {
+                    "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "containers": [
+                                _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)
+                            ]
+                        },
+                    },
+                },
+                "workerGroupSpecs": [
+                    {
+                        "groupName": "replicas",
+                        "minReplicas": 0,
+                        "maxReplicas": s.replicas.max,
+                        "rayStartParams": {},
+                        "template": {"metadata": {"labels": labels}, "spec": worker_pod},
+                    }
+                ],
+            },
+        },
+    }
+
+
+def gateway_service(t: Target) -> Body:
+    """ClusterIP Service in front of the Serve proxies (gRPC stream + HTTP)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(t, r.gateway_service_name(t.name), "gateway"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {r.LABEL_INSTANCE: t.name, "ray.io/serve": "true"},
+            "ports": [
+                {
+                    "name": "grpc",
+                    "port": r.GATEWAY_GRPC_PORT,
+                    "targetPort": r.GATEWAY_GRPC_PORT,
+                    "appProtocol": "grpc",
+                },
+                {"name": "http", "port": r.SERVE_HTTP_PORT, "targetPort": r.SERVE_HTTP_PORT},
+            ],
+        },
+    }
+
+
+def metrics_service(t: Target) -> Body:
+    """Headless Service over every serving pod, scraped by the chart's ServiceMonitor."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(t, r.metrics_service_name(t.name), "metrics"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {r.LABEL_INSTANCE: t.name},
+            "ports": [{"name": "metrics", "port": r.METRICS_PORT, "targetPort": r.METRICS_PORT}],
+        },
+    }
+
+
+def replicas_of(ray_service_body: Body) -> int | None:
+    """`num_replicas` of the replica deployment in a live RayService, or None if unreadable."""
+    try:
+        config = yaml.safe_load(ray_service_body["spec"]["serveConfigV2"])
+        for app in config["applications"]:
+            for dep in app.get("deployments", []):
+                if dep.get("name") == r.REPLICA_DEPLOYMENT:
+                    return int(dep["num_replicas"])
+    except (KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+    return None
