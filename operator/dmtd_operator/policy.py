@@ -149,7 +149,7 @@ def _stabilise(
     busy = gpu_util is not None and gpu_util >= spec.gpu_utilization.max
     step_down = 1 if busy else sc.max_scale_down_replicas
     horizon = max(sc.scale_up_window_s, sc.scale_down_window_s)
-    recs = tuple((t, r) for t, r in state.recommendations if now_s - t < horizon) + ((now_s, raw),)
+    recs = tuple((t, r) for t, r in state.recommendations if now_s - t <= horizon) + ((now_s, raw),)
     current = state.replicas
     up = min(r for t, r in recs if now_s - t <= sc.scale_up_window_s)
     down = max(r for t, r in recs if now_s - t <= sc.scale_down_window_s)

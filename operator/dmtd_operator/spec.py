@@ -157,7 +157,7 @@ class Scaling(_Model):
         description="Dead band around the target (no change while |load/target - 1| is within it).",
     )
     scale_up_window_s: float = Field(
-        default=0.0,
+        default=20.0,
         ge=0,
         le=3600,
         description="Stabilisation window for scale-up: the smallest recommendation within it is used.",

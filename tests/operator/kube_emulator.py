@@ -23,23 +23,41 @@ T = TypeVar("T")
 
 RESOURCES: dict[str, kmock.ResourceInfo] = {
     "serving.dmtd.dev/v1alpha1/dmtddeployments": kmock.ResourceInfo(
-        kind="DMTDDeployment", singular="dmtddeployment", namespaced=True, shortnames={"dmtd"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status"},
+        kind="DMTDDeployment",
+        singular="dmtddeployment",
+        namespaced=True,
+        shortnames={"dmtd"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+        subresources={"status"},
     ),
     "ray.io/v1/rayservices": kmock.ResourceInfo(
-        kind="RayService", singular="rayservice", namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status"},
+        kind="RayService",
+        singular="rayservice",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+        subresources={"status"},
     ),
-    "v1/services": kmock.ResourceInfo(kind="Service", singular="service", namespaced=True,
-                                      verbs={"get", "list", "create", "patch", "delete"}),
-    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", singular="configmap", namespaced=True,
-                                        verbs={"get", "list", "create", "patch", "delete"}),
+    "v1/services": kmock.ResourceInfo(
+        kind="Service",
+        singular="service",
+        namespaced=True,
+        verbs={"get", "list", "create", "patch", "delete"},
+    ),
+    "v1/configmaps": kmock.ResourceInfo(
+        kind="ConfigMap",
+        singular="configmap",
+        namespaced=True,
+        verbs={"get", "list", "create", "patch", "delete"},
+    ),
     "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs={"create"}),
     # Always present in a real cluster; kopf's startup waits for them to be discoverable.
-    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", singular="namespace", namespaced=False,
-                                        verbs={"get", "list", "watch"}),
+    "v1/namespaces": kmock.ResourceInfo(
+        kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"}
+    ),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
-        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
+        kind="CustomResourceDefinition",
+        singular="customresourcedefinition",
+        namespaced=False,
         verbs={"get", "list", "watch"},
     ),
 }
@@ -89,18 +107,31 @@ class KubeEmulator:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
     def kubeconfig(self, path: Path) -> Path:
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "kmock", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
-        }))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "kmock",
+                    "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+                    "users": [{"name": "kmock", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {
+                            "name": "kmock",
+                            "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"},
+                        }
+                    ],
+                }
+            )
+        )
         return path
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
         ctype = "application/merge-patch+json" if method == "PATCH" else "application/json"
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": ctype})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": ctype}
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 raw = resp.read()
@@ -116,9 +147,9 @@ class KubeEmulator:
             assert self.handler is not None
             out: dict[str, dict[str, Any]] = {}
             for (res, ns, name), obj in list(self.handler.objects.items()):
-                if f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and ns == namespace:
-                    if not obj.deleted:
-                        out[name] = json.loads(json.dumps(obj.raw))
+                key = f"{res.group}/{res.version}/{res.plural}".lstrip("/")
+                if key == resource and ns == namespace and not obj.deleted:
+                    out[name] = json.loads(json.dumps(obj.raw))
             return out
 
         return self.call(read)
@@ -129,7 +160,8 @@ class KubeEmulator:
         def read() -> int:
             assert self.handler is not None
             return sum(
-                1 for rq in list(self.handler)
+                1
+                for rq in list(self.handler)
                 if str(rq.method.value).upper() == method and path_part in rq.url.path
             )
 

@@ -1,0 +1,28 @@
+"""Fixtures of the operator tests: a kmock API server and a kopf runner for our handlers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if importlib.util.find_spec("dmtd_operator") is None:  # not installed: run from the checkout
+    sys.path.insert(0, str(ROOT / "operator"))
+
+from kube_emulator import KubeEmulator  # noqa: E402
+
+
+@pytest.fixture
+def k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeEmulator]:
+    """kmock serving the Kubernetes API over HTTP; KUBECONFIG points at it; fast operator settings."""
+    with KubeEmulator() as emulator:
+        monkeypatch.setenv("KUBECONFIG", str(emulator.kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.setenv("DMTD_METRICS_SOURCE", "annotation")
+        monkeypatch.setenv("DMTD_RECONCILE_INTERVAL_S", "0.3")
+        monkeypatch.setenv("DMTD_REGISTRY_URL", "redis://dmtd-redis.dmtd:6379/0")
+        monkeypatch.delenv("DMTD_PROMETHEUS_URL", raising=False)
+        yield emulator
