@@ -1,0 +1,173 @@
+"""The Helm chart: lint and template with default and non-default values; every manifest validated."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from manifests import CHART, ROOT, cr_errors, render_docs, validate_builtin
+
+from dmtd_operator import metric_names, render
+from dmtd_operator import resources as r
+from dmtd_operator.spec import DMTDDeploymentSpec
+
+HELM = shutil.which("helm", path=str(ROOT / ".venv" / "bin")) or shutil.which("helm")
+pytestmark = pytest.mark.skipif(HELM is None, reason="helm not installed (run: bash scripts/install-helm.sh)")
+
+VALUES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "external-redis-namespaced": {
+        "redis": {"enabled": False, "url": "redis://redis.example.internal:6379/2"},
+        "operator": {"watchNamespaces": ["team-a", "team-b"], "logLevel": "debug", "metricsSource": "none"},
+        "gateway": {
+            "type": "LoadBalancer",
+            "annotations": {"service.beta.kubernetes.io/aws-load-balancer-type": "nlb"},
+        },
+        "serviceMonitor": {"enabled": False},
+        "grafanaDashboard": {"enabled": False},
+        "defaultDeployment": {"enabled": False},
+    },
+    "secret-redis-custom-deployment": {
+        "redis": {"enabled": False, "existingSecret": "dmtd-redis-url", "existingSecretKey": "url"},
+        "defaultDeployment": {
+            "name": "canary",
+            "spec": {
+                "variants": [
+                    {"name": "stable", "modelUri": "registry://qwen3-4b-dmtd", "weight": 90},
+                    {"name": "canary", "modelUri": "registry://qwen3-4b-dmtd-v2", "weight": 10},
+                ],
+                "replicas": {"min": 0, "max": 12},
+                "resources": {"gpusPerReplica": 2, "gpuType": "NVIDIA-A100-SXM4-80GB"},
+                "tau": {"min": 1, "baseline": 2, "max": 4},
+                "scaling": {"scaleUpWindowS": 15, "scaleDownWindowS": 600},
+            },
+        },
+        "grafanaDashboard": {"namespace": "monitoring"},
+    },
+    "ephemeral-redis": {"redis": {"persistence": {"enabled": False}}, "gateway": {"type": "NodePort"}},
+}
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
+
+
+def values_file(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(VALUES[name]))
+    return path
+
+
+def template(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    res = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--namespace",
+        "dmtd",
+        "--include-crds",
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "-f",
+        str(values_file(tmp_path, name)),
+    )
+    assert res.returncode == 0, res.stderr
+    return render_docs(res.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_lint_passes(tmp_path: Path, name: str) -> None:
+    res = helm("lint", "--strict", str(CHART), "-f", str(values_file(tmp_path, name)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 chart(s) failed" in res.stdout
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_every_rendered_manifest_validates(tmp_path: Path, name: str) -> None:
+    docs = template(tmp_path, name)
+    kinds = {d["kind"] for d in docs}
+    assert {"CustomResourceDefinition", "Deployment", "ServiceAccount"} <= kinds
+    for doc in docs:
+        where = f"{doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] == r.KIND:
+            assert cr_errors(doc) == [], where
+            DMTDDeploymentSpec.model_validate(doc["spec"])  # and the operator accepts it (CEL rules too)
+        elif doc["kind"] == "ServiceMonitor":
+            check_service_monitor(doc)
+        else:
+            assert validate_builtin(doc) == "1.30", where
+
+
+def check_service_monitor(doc: dict[str, Any]) -> None:
+    """Structural check (a CRD of the Prometheus operator): it must select what the operator creates."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    target = render.Target(
+        "demo",
+        "dmtd",
+        DMTDDeploymentSpec.model_validate({"variants": [{"name": "v", "modelUri": "m"}]}),
+        1,
+        1,
+        1,
+        "redis://x",
+    )
+    svc = render.metrics_service(target)
+    selector = doc["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = doc["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
+
+
+def test_default_values_render_the_whole_platform(tmp_path: Path) -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in template(tmp_path, "default")}
+    assert ("StatefulSet", "rel-dmtd-redis") in docs
+    sts = docs[("StatefulSet", "rel-dmtd-redis")]
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert ("DMTDDeployment", "smollm2") in docs and ("ServiceMonitor", "rel-dmtd") in docs
+    env = {
+        e["name"]: e.get("value")
+        for e in docs[("Deployment", "rel-dmtd-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["DMTD_REGISTRY_URL"] == "redis://rel-dmtd-redis.dmtd.svc:6379/0"
+    gateway = docs[("Service", "rel-dmtd-gateway")]
+    assert gateway["spec"]["selector"] == {r.LABEL_INSTANCE: "smollm2", "ray.io/serve": "true"}
+    dashboard = json.loads(docs[("ConfigMap", "rel-dmtd-dashboard")]["data"]["dmtd-platform.json"])
+    used = set(re.findall(r"dmtd_[a-z_]+", json.dumps(dashboard)))
+    known = {m.name for m in metric_names.ALL}
+    assert {re.sub(r"_(bucket|sum|count)$", "", u) for u in used} <= known
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Latency SLOs", "Throughput", "tau and block length k", "Cost"} <= titles
+
+
+def test_rbac_is_least_privilege(tmp_path: Path) -> None:
+    cluster = [d for d in template(tmp_path, "default") if d["kind"] == "ClusterRole"]
+    namespaced = template(tmp_path, "external-redis-namespaced")
+    roles = [d for d in namespaced if d["kind"] == "Role"]
+    assert len(cluster) == 1 and not [d for d in namespaced if d["kind"].startswith("Cluster")]
+    assert sorted(d["metadata"]["namespace"] for d in roles) == ["team-a", "team-b"]
+    for role in cluster + roles:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+            assert not {"secrets", "pods", "nodes"} & set(rule["resources"])
+    deployment = next(d for d in namespaced if d["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--all-namespaces" not in args
+
+
+def test_external_redis_needs_a_url_or_a_secret(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"redis": {"enabled": False}}))
+    res = helm("template", "rel", str(CHART), "-f", str(bad))
+    assert res.returncode != 0
+    assert "redis" in res.stderr and "url" in res.stderr
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"gateway": {"typ": "LoadBalancer"}}))
+    res = helm("template", "rel", str(CHART), "-f", str(typo))
+    assert res.returncode != 0 and "typ" in res.stderr
