@@ -10,13 +10,20 @@ Two ways to run it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dmtd.engine.config import ConfigError, DMTDConfig, ModelConfig
+from dmtd.engine.decode_kernel import decode_layers
 from dmtd.engine.rope import apply_rope, rope_tables
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Written out (not F.rms_norm): on CPU the fused op decomposes into more, slower kernels.
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +33,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Proj(nn.Module):
+    """A linear layer whose weight is stored input-major ``[in, out]``.
+
+    ``x @ W`` streams this layout measurably faster than ``F.linear`` on the HF ``[out, in]`` layout
+    for the batch-1 matrix-vector products that dominate decoding on CPU (no per-call transpose either).
+    """
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        nn.init.normal_(self.weight, std=n_in ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 @dataclass(slots=True)
@@ -40,69 +65,51 @@ class StepContext:
 
     cos: torch.Tensor  # [B, 1, S, Dh]
     sin: torch.Tensor
-    attn_mask: torch.Tensor  # [B, 1, S, Lk] bool, True = attend
+    attn_mask: torch.Tensor | None  # [B, 1, S, Lk] bool, True = attend; None = every key up to Lk
     read_len: int  # Lk
     slots: torch.Tensor  # [B] int64
     slot_range: tuple[int, int] | None
     write_slots: torch.Tensor  # [N] slot of each valid new position
     write_pos: torch.Tensor  # [N] its position
     write_rows: torch.Tensor | None  # [N] flat index into B*S of each valid new position (None: all)
+    write_one: tuple[int, int] | None = None  # (slot, pos) when the step writes a single position
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors, gathered once so the hot loop does no module attribute lookups."""
+
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # [H, (nh + 2 nkv) * hd], input-major
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv_proj = Proj(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o_proj = Proj(q, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.split = (q, kv, kv)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ctx: StepContext | None = None) -> torch.Tensor:
-        B, S, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(B, S, self.num_heads, self.head_dim)
-        k = k.view(B, S, self.num_kv_heads, self.head_dim)
-        v = v.view(B, S, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is None or ctx is None:
-            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
-        else:
-            k_cache, v_cache = cache
-            new_k = k.transpose(1, 2).reshape(B * S, self.num_kv_heads, self.head_dim)
-            new_v = v.reshape(B * S, self.num_kv_heads, self.head_dim)
-            if ctx.write_rows is not None:
-                new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
-            k_cache[ctx.write_slots, :, ctx.write_pos] = new_k
-            v_cache[ctx.write_slots, :, ctx.write_pos] = new_v
-            if ctx.slot_range is not None:
-                a, b = ctx.slot_range
-                keys, values = k_cache[a:b, :, : ctx.read_len], v_cache[a:b, :, : ctx.read_len]
-            else:
-                keys, values = k_cache[ctx.slots, :, : ctx.read_len], v_cache[ctx.slots, :, : ctx.read_len]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.attn_mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        self.gate_up_proj = Proj(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Proj(cfg.intermediate_size, cfg.hidden_size)
 
 
 class DecoderLayer(nn.Module):
+    """Parameter container with HF-compatible names; the computation is :func:`layer_forward`."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -110,11 +117,72 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ctx: StepContext | None = None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def weights(self) -> LayerWeights:
+        at = self.self_attn
+        return LayerWeights(
+            self.input_layernorm.weight, at.qkv_proj.weight, at.qkv_proj.bias,
+            None if at.q_norm is None else at.q_norm.weight, None if at.k_norm is None else at.k_norm.weight,
+            at.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
+            self.mlp.down_proj.weight,
+        )
+
+
+def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cache: tuple[torch.Tensor, torch.Tensor] | None, ctx: StepContext | None) -> torch.Tensor:
+    """Self-attention; without a cache it is causal over ``x``, with one it writes then reads the cache."""
+    B, S, _ = x.shape
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = torch.matmul(x, w.qkv)
+    if w.qkv_bias is not None:
+        qkv = qkv + w.qkv_bias
+    qkv = qkv.view(B, S, nh + 2 * nkv, hd)
+    qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv:]
+    if w.q_norm is not None and w.k_norm is not None:
+        eps = cfg.rms_norm_eps
+        qk = torch.cat((rms_norm(qk[:, :, :nh], w.q_norm, eps), rms_norm(qk[:, :, nh:], w.k_norm, eps)), dim=2)
+    qk = apply_rope(qk.transpose(1, 2), cos, sin)  # one rope pass over q and k together
+    q, k = qk[:, :nh], qk[:, nh:]
+    if cache is None or ctx is None:
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return torch.matmul(out.transpose(1, 2).reshape(B, S, -1), w.o)
+    k_cache, v_cache = cache
+    if ctx.write_one is not None:
+        slot, pos = ctx.write_one
+        k_cache[slot, :, pos] = k[0, :, 0]
+        v_cache[slot, :, pos] = v[0, 0]
+    else:
+        new_k = k.transpose(1, 2).reshape(B * S, nkv, hd)
+        new_v = v.reshape(B * S, nkv, hd)
+        if ctx.write_rows is not None:
+            new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
+        k_cache[ctx.write_slots, :, ctx.write_pos] = new_k
+        v_cache[ctx.write_slots, :, ctx.write_pos] = new_v
+    if ctx.slot_range is not None:
+        a, b = ctx.slot_range
+        keys, values = k_cache[a:b, :, : ctx.read_len], v_cache[a:b, :, : ctx.read_len]
+    else:
+        keys, values = k_cache[ctx.slots, :, : ctx.read_len], v_cache[ctx.slots, :, : ctx.read_len]
+    if S == 1:
+        # Decode: group the query heads by their KV head and use two batched matmuls; far less
+        # fixed overhead than SDPA for a single query row.
+        g = nh // nkv
+        scores = torch.matmul(q.view(B, nkv, g, hd), keys.transpose(-1, -2)) * (hd ** -0.5)
+        if ctx.attn_mask is not None:
+            scores = scores.masked_fill(~ctx.attn_mask.view(B, 1, 1, -1), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)
+        return torch.matmul(out.reshape(B, 1, nh * hd), w.o)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.attn_mask, enable_gqa=True)
+    return torch.matmul(out.transpose(1, 2).reshape(B, S, -1), w.o)
+
+
+def layer_forward(w: LayerWeights, cfg: ModelConfig, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ctx: StepContext | None = None) -> torch.Tensor:
+    """Pre-norm decoder layer: attention then SwiGLU MLP, each with a residual."""
+    eps = cfg.rms_norm_eps
+    h = h + attention(w, cfg, rms_norm(h, w.ln1, eps), cos, sin, cache, ctx)
+    gate, up = torch.matmul(rms_norm(h, w.ln2, eps), w.gate_up).chunk(2, dim=-1)
+    return h + torch.matmul(F.silu(gate) * up, w.down)
 
 
 def route_decoding_input(h_enc: torch.Tensor, h_think: torch.Tensor, head_mask: torch.Tensor,
@@ -135,19 +203,57 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.lm_head = None if cfg.tie_word_embeddings else Proj(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head_t: torch.Tensor | None = None  # [H, V] copy of tied embeddings for fast decoding
         length = rope_len or cfg.max_position_embeddings
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
                                length)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._weights: list[LayerWeights] | None = None
 
-    @property
-    def lm_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._weights, self.lm_head_t = None, None  # .to()/.float() may replace the tensors
+        return super()._apply(fn, recurse)
+
+    def layer_weights(self) -> list[LayerWeights]:
+        if self._weights is None:
+            self._weights = [layer.weights() for layer in self.layers]  # type: ignore[operator]
+        return self._weights
+
+    def _decode_kernel(self, h: torch.Tensor, start: int, end: int,
+                       caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: StepContext) -> torch.Tensor:
+        """One position per row through layers ``start..end`` with the TorchScript decode loop."""
+        if start == end:
+            return h
+        cfg, ws = self.config, self.layer_weights()[start:end]
+        lo, contiguous = (ctx.slot_range[0], True) if ctx.slot_range is not None else (0, False)
+        mask = None if ctx.attn_mask is None else ctx.attn_mask.view(h.shape[0], ctx.read_len)
+        out = decode_layers(
+            h[:, 0], [w.ln1 for w in ws], [w.qkv for w in ws],
+            None if ws[0].qkv_bias is None else [w.qkv_bias for w in ws],  # type: ignore[misc]
+            None if ws[0].q_norm is None else [w.q_norm for w in ws],  # type: ignore[misc]
+            None if ws[0].k_norm is None else [w.k_norm for w in ws],  # type: ignore[misc]
+            [w.o for w in ws], [w.ln2 for w in ws], [w.gate_up for w in ws], [w.down for w in ws],
+            [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
+            ctx.cos[:, 0, 0], ctx.sin[:, 0, 0], ctx.slots, ctx.write_pos, lo, contiguous, ctx.read_len, mask,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+        )
+        return out.unsqueeze(1)
+
+    def prepare_inference(self) -> Transformer:
+        """Frozen-weights setup for the engine: an input-major copy of tied embeddings for the lm_head."""
+        if self.lm_head is None:
+            self.lm_head_t = self.embed_tokens.weight.detach().t().contiguous()
+        return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(h), self.lm_weight)
+        h = self.norm.forward(h)
+        if self.lm_head is not None:
+            return torch.matmul(h, self.lm_head.weight)
+        if self.lm_head_t is not None and not torch.is_grad_enabled():
+            return torch.matmul(h, self.lm_head_t)
+        return F.linear(h, self.embed_tokens.weight)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, S, Dh] for integer positions [B, S]."""
@@ -156,8 +262,11 @@ class Transformer(nn.Module):
     def run_layers(self, h: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                    ctx: StepContext | None = None) -> torch.Tensor:
+        cfg, weights = self.config, self.layer_weights()
+        if ctx is not None and caches is not None and h.shape[1] == 1 and not torch.is_grad_enabled():
+            return self._decode_kernel(h, start, end, caches, ctx)
         for i in range(start, end):
-            h = self.layers[i](h, cos, sin, None if caches is None else caches[i], ctx)
+            h = layer_forward(weights[i], cfg, h, cos, sin, None if caches is None else caches[i], ctx)
         return h
 
     def forward_lower(self, input_ids: torch.Tensor, dmtd: DMTDConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,28 +303,29 @@ class Transformer(nn.Module):
         own["embed_tokens.weight"] = take("embed_tokens.weight")
         own["norm.weight"] = take("norm.weight")
         if self.lm_head is not None:
-            own["lm_head.weight"] = sd.get("lm_head.weight", own["embed_tokens.weight"])
+            own["lm_head.weight"] = sd.get("lm_head.weight", own["embed_tokens.weight"]).t()
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             a = p + "self_attn."
-            own[a + "qkv_proj.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+            own[a + "qkv_proj.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).t()
             if cfg.qkv_bias:
                 own[a + "qkv_proj.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-            own[a + "o_proj.weight"] = take(a + "o_proj.weight")
+            own[a + "o_proj.weight"] = take(a + "o_proj.weight").t()
             if cfg.qk_norm:
                 own[a + "q_norm.weight"] = take(a + "q_norm.weight")
                 own[a + "k_norm.weight"] = take(a + "k_norm.weight")
             own[p + "mlp.gate_up_proj.weight"] = torch.cat(
                 [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            )
-            own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+            ).t()
+            own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight").t()
             for n in ("input_layernorm", "post_attention_layernorm"):
                 own[p + n + ".weight"] = take(p + n + ".weight")
         expected = {k: v.shape for k, v in self.state_dict().items()}
         for k, t in own.items():
             if tuple(t.shape) != tuple(expected[k]):
                 raise ConfigError(f"tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k])}")
-        self.load_state_dict(own, strict=True)
+        self.load_state_dict({k: v.contiguous() for k, v in own.items()}, strict=True)
+        self.lm_head_t, self._weights = None, None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`load_hf_state_dict` (unfused HF names), for checkpoints and tests."""
@@ -223,22 +333,23 @@ class Transformer(nn.Module):
         sd = self.state_dict()
         out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
         if self.lm_head is not None:
-            out["lm_head.weight"] = sd["lm_head.weight"]
+            out["lm_head.weight"] = sd["lm_head.weight"].t()
         q, kv, _ = self.layers[0].self_attn.split
         for i in range(cfg.num_layers):
             p, hp = f"layers.{i}.", f"model.layers.{i}."
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                wq, wk, wv = sd[p + f"self_attn.qkv_proj.{kind}"].split((q, kv, kv))
+                fused = sd[p + f"self_attn.qkv_proj.{kind}"]
+                wq, wk, wv = (fused.t() if kind == "weight" else fused).split((q, kv, kv))
                 out[hp + f"self_attn.q_proj.{kind}"] = wq
                 out[hp + f"self_attn.k_proj.{kind}"] = wk
                 out[hp + f"self_attn.v_proj.{kind}"] = wv
-            out[hp + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+            out[hp + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"].t()
             if cfg.qk_norm:
                 out[hp + "self_attn.q_norm.weight"] = sd[p + "self_attn.q_norm.weight"]
                 out[hp + "self_attn.k_norm.weight"] = sd[p + "self_attn.k_norm.weight"]
-            g, u = sd[p + "mlp.gate_up_proj.weight"].chunk(2)
+            g, u = sd[p + "mlp.gate_up_proj.weight"].t().chunk(2)
             out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = g, u
-            out[hp + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
+            out[hp + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"].t()
             for n in ("input_layernorm", "post_attention_layernorm"):
                 out[hp + n + ".weight"] = sd[p + n + ".weight"]
         return {k: v.contiguous() for k, v in out.items()}

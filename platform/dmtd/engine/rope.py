@@ -59,16 +59,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, m
 
 def rope_tables(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int,
                 length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [length, head_dim] (fp32), HF ``rotate_half`` layout."""
+    """cos and signed-sin tables of shape [length, head_dim] (fp32), HF ``rotate_half`` layout."""
     inv, mscale = rope_inv_freq(head_dim, theta, scaling, max_pos)
     pos = torch.arange(length, dtype=torch.int64).float()
     freqs = pos[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * mscale, emb.sin() * mscale
+    return emb.cos() * mscale, signed_sin(emb.sin() * mscale)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, H, S, D] by cos/sin [B, 1, S, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, so rope needs a flip instead of ``rotate_half``'s cat/neg."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, H, S, D] by cos / :func:`signed_sin` tables [B, 1, S, D].
+
+    Bitwise equal to HF's ``x * cos + rotate_half(x) * sin`` since both halves of ``sin`` are equal.
+    """
+    D = x.shape[-1]
+    swapped = x.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin_signed

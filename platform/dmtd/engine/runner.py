@@ -28,7 +28,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, dmtd: DMTDConfig, cfg: EngineConfig) -> None:
         dmtd.check_model(model.config)
-        self.model, self.dmtd, self.cfg = model, dmtd, cfg
+        self.model, self.dmtd, self.cfg = model.prepare_inference(), dmtd, cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.dtype, self.device)
@@ -41,7 +41,7 @@ class ModelRunner:
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         read_len = int(positions.max()) + 1
         keys = torch.arange(read_len, device=dev)
-        mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1) if B > 1 or S > 1 else None
         cos, sin = self.model.rope(positions)
         if valid is None:
             write_slots, write_pos, rows = slot_t.repeat_interleave(S), positions.reshape(-1), None
@@ -49,8 +49,11 @@ class ModelRunner:
             rows = valid.reshape(-1).nonzero().squeeze(1)
             write_slots = slot_t.repeat_interleave(S)[rows]
             write_pos = positions.reshape(-1)[rows]
-        return StepContext(cos.to(self.dtype), sin.to(self.dtype), mask, read_len, slot_t,
-                           _slot_range(slots), write_slots, write_pos, rows)
+        one = (slots[0], int(positions[0, 0])) if B == 1 and S == 1 else None
+        if cos.dtype != self.dtype:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        return StepContext(cos, sin, mask, read_len, slot_t, _slot_range(slots), write_slots, write_pos, rows,
+                           one)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:

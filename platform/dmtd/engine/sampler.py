@@ -15,15 +15,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     untempered distribution) and, per row, whether the logits were finite.
     """
     logits = logits.float()
-    finite = torch.isfinite(logits).all(dim=-1)
-    safe = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-    probs = torch.softmax(safe, dim=-1)
-    conf, greedy_tok = probs.max(dim=-1)
+    greedy_tok = logits.argmax(dim=-1)
+    # softmax turns any NaN / +inf / all -inf row into NaN, so its max doubles as the finiteness check
+    conf = torch.softmax(logits, dim=-1).amax(dim=-1)
+    finite = torch.isfinite(conf)
+    conf = conf.nan_to_num(0.0)
     tokens = greedy_tok.tolist()
+    safe = logits
     for i, p in enumerate(params):
         if p.greedy or not bool(finite[i]):
             continue
-        row = safe[i] / p.temperature
+        row = torch.nan_to_num(safe[i]) / p.temperature
         if p.top_k > 0:
             kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
