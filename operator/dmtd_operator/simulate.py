@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--tau-baseline", type=int, default=1)
     p.add_argument("--tau-max", type=int, default=4)
+    p.add_argument("--target-utilization", type=float, default=0.5, help="sizing target at the baseline tau")
     p.add_argument("--interval-s", type=float, default=10.0, help="policy evaluation period")
     p.add_argument("--window-s", type=float, default=30.0, help="metrics window the policy sees")
     p.add_argument("--usd-per-gpu-hour", type=float, default=2.5)
@@ -71,7 +72,11 @@ def _spec(args: argparse.Namespace, replica_tok_s: float, speedup: tuple[float, 
             "resources": {"gpusPerReplica": args.gpus_per_replica},
             "slo": {"ttftP95Ms": args.ttft_slo_ms, "itlP95Ms": args.itl_slo_ms},
             "tau": {"min": 1, "baseline": args.tau_baseline, "max": args.tau_max},
-            "scaling": {"coldStartS": args.cold_start_s, "intervalS": args.interval_s},
+            "scaling": {
+                "coldStartS": args.cold_start_s,
+                "intervalS": args.interval_s,
+                "targetUtilization": args.target_utilization,
+            },
             "capacity": {
                 "replicaTokS": replica_tok_s,
                 "tauSpeedup": list(speedup),
