@@ -95,14 +95,18 @@ async def autoscale(
     """Metrics window -> policy decision -> children and status."""
     assert name is not None and namespace is not None
     rt = runtime_of(memo)
-    new_status = await reconcile.autoscale(rt, name, namespace, uid or "", spec, status, meta.annotations)
+    try:
+        new_status = await reconcile.autoscale(rt, name, namespace, uid or "", spec, status, meta.annotations)
+    except kopf.PermanentError as e:
+        # The spec handler has already reported it; repeating it every interval is noise.
+        logger.debug("not autoscaling %s/%s: %s", namespace, name, e)
+        return
     if new_status is None:
         return
     patch.status.update(new_status)
     decision = new_status["lastDecision"]
-    if decision["replicas"] != status.get("desiredReplicas") or decision["tauMax"] != (
-        status.get("tau") or {}
-    ).get("max"):
+    previous = (status.get("desiredReplicas"), (status.get("tau") or {}).get("max"))
+    if (decision["replicas"], decision["tauMax"]) != previous:
         logger.info("%s/%s: %s", namespace, name, decision["reason"])
 
 

@@ -101,6 +101,30 @@ def test_rayservice_carries_scale_tau_and_registry_in_serve_config() -> None:
     assert limits["nvidia.com/gpu"] == "2"
 
 
+RAY_SERVICE_SPEC = {"serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy"}
+RAY_CLUSTER_SPEC = {
+    "rayVersion",
+    "enableInTreeAutoscaling",
+    "autoscalerOptions",
+    "headGroupSpec",
+    "workerGroupSpecs",
+}
+WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"}
+
+
+def test_rayservice_has_the_kuberay_v1_shape() -> None:
+    """Structural check against KubeRay's ray.io/v1 types (a custom kind kubernetes-validate cannot know)."""
+    rs = render.ray_service(target())
+    assert (rs["apiVersion"], rs["kind"]) == ("ray.io/v1", "RayService")
+    assert set(rs["spec"]) <= RAY_SERVICE_SPEC and isinstance(rs["spec"]["serveConfigV2"], str)
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert set(cluster) <= RAY_CLUSTER_SPEC
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    for group in cluster["workerGroupSpecs"]:
+        assert set(group) <= WORKER_GROUP and 0 <= group["minReplicas"] <= group["maxReplicas"]
+    assert all(isinstance(v, str) for v in cluster["headGroupSpec"]["rayStartParams"].values())
+
+
 def test_rendered_pods_and_services_validate_against_kubernetes() -> None:
     rs = render.ray_service(target())
     cluster = rs["spec"]["rayClusterConfig"]
