@@ -1,0 +1,71 @@
+"""``dmtd generate`` and ``dmtd bench engine`` as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def dmtd(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dmtd", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+def test_generate_json_plain_model(smollm2):
+    r = dmtd("generate", "--variant", "none", "--chat", "What is the capital of France?", "--greedy",
+             "--max-new-tokens", "24", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"prompt_token_ids", "token_ids", "text", "tokens_per_s", "mean_block_len"} <= out.keys()
+    assert "Paris" in out["text"] and out["tokens_per_s"] > 0 and out["mean_block_len"] == 1.0
+    assert out["text"] == smollm2.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_streams_dmtd_split_and_reports_blocks():
+    r = dmtd("generate", "--variant", "none", "--decoding-layers", "8", "--tau", "3", "--prompt",
+             "Once upon a time", "--max-new-tokens", "18", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 18 and out["block_lens"] == [3] * 6 and out["mean_block_len"] == 3.0
+    r = dmtd("generate", "--variant", "none", "--decoding-layers", "8", "--tau", "3", "--prompt",
+             "Once upon a time", "--max-new-tokens", "12")
+    assert r.returncode == 0 and "tok/s decode" in r.stdout and "mean block 3.00" in r.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--variant", "none", "--prompt", "hi", "--tau", "2"], "tau: must be in 1..1"),
+    (["--variant", "none", "--decoding-layers", "8", "--prompt", "hi", "--tau", "9"], "tau: must be in 1..8"),
+    (["--variant", "none", "--decoding-layers", "30", "--prompt", "hi"], "decoding_layers must be in 1..29"),
+    (["--model", "/nonexistent/model", "--variant", "none", "--prompt", "hi"], "not a directory"),
+    (["--variant", "none", "--prompt", ""], "prompt: must not be empty"),
+    (["--variant", "none"], "one of --prompt or --chat"),
+    (["--variant", "no-such-variant", "--prompt", "hi"], "not found"),
+    (["--variant", "none", "--prompt", "hi", "--top-p", "0"], "top_p"),
+])
+def test_bad_input_exits_2_naming_the_problem(args, words):
+    r = dmtd("generate", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_engine_writes_json_and_png(tmp_path: Path):
+    path = tmp_path / "bench.json"
+    r = dmtd("bench", "engine", "--batch-sizes", "1,2", "--taus", "2", "--new-tokens", "6", "--prompt-len", "16",
+             "--repeats", "1", "--json", str(path), timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(path.read_text())
+    systems = {(row["batch"], row["system"]) for row in data["rows"]}
+    assert systems == {(b, s) for b in (1, 2) for s in ("hf", "engine", "dmtd2")}
+    for row in data["rows"]:
+        assert row["tok_s"] > 0 and row["bound_tok_s"] > 0
+        if row["system"] == "dmtd2":
+            assert 1.0 < row["bound_speedup"] < 2.0
+    assert data["machine"]["matvec_gb_s"] > 0
+    assert path.with_suffix(".png").stat().st_size > 10_000

@@ -1,0 +1,118 @@
+"""The torch-free scheduler: admission, slots, phases, blocks, retirement — as plain Python."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmtd.engine.config import DMTDConfig
+from dmtd.engine.scheduler import CapacityError, Scheduler
+from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
+
+
+def make(max_num_seqs=2, max_len=32, tau_max=4, anchor="prompt_end"):
+    return Scheduler(DMTDConfig(0, 3, 1, tau_max, anchor), max_num_seqs, max_len, 64)
+
+
+def seq(rid, n=4, tau=3, **kw):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(**kw), cycle_len=tau)
+
+
+def drive(s: Scheduler, tokens_of, conf=0.9):
+    out = s.schedule()
+    toks = [tokens_of(q) for q in out.seqs]
+    return out, s.postprocess(out, toks, [conf] * len(toks), eos_ids={0})
+
+
+def test_admission_respects_slots_and_frees_them():
+    s = make(max_num_seqs=2)
+    for r in "abc":
+        s.add(seq(r, max_new_tokens=3))
+    out, _ = drive(s, lambda q: 5)
+    assert [q.req_id for q in out.prefill] == ["a", "b"] and s.num_free_slots == 0
+    assert [q.req_id for q in s.waiting] == ["c"]
+    for _ in range(2):
+        out, ev = drive(s, lambda q: 5)
+        assert not out.is_prefill
+    assert all(e.finished and e.finish_reason == "length" for e in ev)
+    assert s.num_free_slots == 2
+    out, _ = drive(s, lambda q: 5)
+    assert [q.req_id for q in out.prefill] == ["c"] and out.prefill[0].slot == 0
+
+
+def test_phases_and_blocks_prompt_end():
+    s = make()
+    s.add(seq("a", n=5, tau=3, max_new_tokens=7))
+    heads, blocks = [], []
+    while s.num_unfinished:
+        _, ev = drive(s, lambda q: 7)
+        heads += [e.is_head for e in ev]
+        blocks += [e.block for e in ev if e.block]
+    assert heads == [True, False, False, True, False, False, True]
+    assert [len(b) for b in blocks] == [3, 3, 1]
+
+
+def test_absolute_anchor_heads_on_multiples_of_tau():
+    s = make(anchor="absolute")
+    s.add(seq("a", n=5, tau=3, max_new_tokens=7))  # positions 4..10 produce tokens
+    heads = []
+    while s.num_unfinished:
+        _, ev = drive(s, lambda q: 7)
+        heads += [e.is_head for e in ev]
+    assert heads == [p % 3 == 0 for p in range(4, 11)]
+
+
+def test_low_confidence_cuts_cycle():
+    s = make()
+    s.add(seq("a", n=4, tau=4, max_new_tokens=6, min_confidence=0.5))
+    confs = [0.9, 0.2, 0.9, 0.9, 0.9, 0.9]
+    heads = []
+    for c in confs:
+        out = s.schedule()
+        ev = s.postprocess(out, [7], [c], eos_ids=set())
+        heads.append(ev[0].is_head)
+    # token 0 (conf .9) at a tail, token 1 (conf .2) cuts: the position holding token 1 becomes a head
+    assert heads == [True, False, True, False, False, False]
+
+
+def test_stop_token_and_eos():
+    s = make()
+    s.add(seq("a", stop_token_ids=[9], max_new_tokens=10))
+    _, ev = drive(s, lambda q: 9)
+    assert ev[0].finished and ev[0].finish_reason == "stop" and ev[0].block == [9]
+    s.add(seq("b", max_new_tokens=10, ignore_eos=True))
+    _, ev = drive(s, lambda q: 0)
+    assert not ev[0].finished
+
+
+def test_bad_requests_are_rejected_before_admission():
+    s = make(max_len=8)
+    with pytest.raises(CapacityError, match="prompt"):
+        s.add(seq("long", n=8))
+    with pytest.raises(RequestError, match="prompt"):
+        s.add(Sequence("empty", [], SamplingParams(), cycle_len=1))
+    with pytest.raises(RequestError, match="tau"):
+        s.add(seq("t", tau=5))
+    assert s.num_unfinished == 0 and s.num_free_slots == 2
+
+
+def test_finish_is_idempotent_and_frees_waiting_too():
+    s = make(max_num_seqs=1)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(b, "abort")
+    s.finish(a, "abort")
+    s.finish(a, "abort")
+    assert s.num_unfinished == 0 and s.num_free_slots == 1
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("temperature", {"temperature": -1}), ("top_p", {"top_p": 0}), ("top_k", {"top_k": -2}),
+    ("max_new_tokens", {"max_new_tokens": 0}), ("min_confidence", {"min_confidence": 1.5}),
+    ("tau", {"cycle_len": 0}), ("stop", {"stop": [""]}),
+])
+def test_sampling_params_name_the_field(field, kw):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.field == field
