@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 if importlib.util.find_spec("dmtd_operator") is None:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT / "operator"))
+if str(HERE) not in sys.path:  # the helper modules beside the tests, whatever the import mode
+    sys.path.insert(0, str(HERE))
 
 from kube_emulator import KubeEmulator  # noqa: E402
 
