@@ -75,21 +75,30 @@ def _best(fn: object, repeats: int) -> float:
     return best
 
 
-@torch.inference_mode()
-def measure_rates(working_set_mb: int = 768, repeats: int = 3) -> MachineRates:
-    """Measure copy bandwidth, batch-1 matvec bandwidth and matmul throughput (fp32)."""
-    # matvec first: a large copy beforehand leaves the allocator's fresh pages slow to stream
+def _matvec_gb_s(working_set_mb: int, repeats: int) -> float:
     mats = [torch.randn(576, 3072) for _ in range(max(1, working_set_mb // 7))]
     x = torch.randn(1, 576)
-    t_mv = _best(lambda: [torch.matmul(x, w) for w in mats], repeats)
-    mv_bytes = sum(w.numel() * 4 for w in mats)
-    del mats
+    t = _best(lambda: [torch.matmul(x, w) for w in mats], repeats)
+    return sum(w.numel() * 4 for w in mats) / t / 1e9
+
+
+def _matmul_gflop_s(repeats: int) -> float:
     a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
-    t_mm = _best(lambda: torch.matmul(a, b), repeats + 2)
+    return 2 * 1024 * 2048 * 2048 / _best(lambda: torch.matmul(a, b), repeats) / 1e9
+
+
+def _copy_gb_s(working_set_mb: int, repeats: int) -> float:
     n = working_set_mb * (1 << 20) // 4
     src = torch.ones(n)
     dst = torch.empty_like(src)
-    t_copy = _best(lambda: dst.copy_(src), repeats)
-    del src, dst
-    return MachineRates(copy_gb_s=2 * n * 4 / t_copy / 1e9, matvec_gb_s=mv_bytes / t_mv / 1e9,
-                        matmul_gflop_s=2 * 1024 * 2048 * 2048 / t_mm / 1e9)
+    return 2 * n * 4 / _best(lambda: dst.copy_(src), repeats) / 1e9
+
+
+@torch.inference_mode()
+def measure_rates(working_set_mb: int = 768, repeats: int = 3) -> MachineRates:
+    """Measure batch-1 matvec bandwidth (over a set larger than the caches), matmul throughput, copy bandwidth.
+
+    The matvec runs first: a large copy beforehand leaves the allocator's fresh pages slow to stream.
+    """
+    return MachineRates(matvec_gb_s=_matvec_gb_s(working_set_mb, repeats), matmul_gflop_s=_matmul_gflop_s(repeats + 2),
+                        copy_gb_s=_copy_gb_s(working_set_mb, repeats))

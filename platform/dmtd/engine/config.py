@@ -56,7 +56,7 @@ class ModelConfig:
             )
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or None
-        theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if scaling is None and rope_type not in (None, "default"):
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}

@@ -6,6 +6,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
+from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,7 +250,7 @@ class LLMEngine:
             self.abort(rid)
             self.release(rid)
 
-    def generate(self, prompts: list[str] | list[list[int]] | list[list[dict[str, str]]],
+    def generate(self, prompts: SequenceT[str | list[int] | list[dict[str, str]]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
         """Generate for all prompts together (continuous batching) and return results in order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)

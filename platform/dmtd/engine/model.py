@@ -10,7 +10,7 @@ Two ways to run it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -212,7 +212,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._weights: list[LayerWeights] | None = None
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
         self._weights, self.lm_head_t = None, None  # .to()/.float() may replace the tensors
         return super()._apply(fn, recurse)
 
@@ -231,9 +231,9 @@ class Transformer(nn.Module):
         mask = None if ctx.attn_mask is None else ctx.attn_mask.view(h.shape[0], ctx.read_len)
         out = decode_layers(
             h[:, 0], [w.ln1 for w in ws], [w.qkv for w in ws],
-            None if ws[0].qkv_bias is None else [w.qkv_bias for w in ws],  # type: ignore[misc]
-            None if ws[0].q_norm is None else [w.q_norm for w in ws],  # type: ignore[misc]
-            None if ws[0].k_norm is None else [w.k_norm for w in ws],  # type: ignore[misc]
+            None if ws[0].qkv_bias is None else [w.qkv_bias for w in ws],
+            None if ws[0].q_norm is None else [w.q_norm for w in ws],
+            None if ws[0].k_norm is None else [w.k_norm for w in ws],
             [w.o for w in ws], [w.ln2 for w in ws], [w.gate_up for w in ws], [w.down for w in ws],
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             ctx.cos[:, 0, 0], ctx.sin[:, 0, 0], ctx.slots, ctx.write_pos, lo, contiguous, ctx.read_len, mask,
@@ -257,7 +257,9 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, S, Dh] for integer positions [B, S]."""
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        cos, sin = self.rope_cos, self.rope_sin
+        assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     def run_layers(self, h: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -334,7 +336,8 @@ class Transformer(nn.Module):
         out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
         if self.lm_head is not None:
             out["lm_head.weight"] = sd["lm_head.weight"].t()
-        q, kv, _ = self.layers[0].self_attn.split
+        q = cfg.num_heads * cfg.head_dim
+        kv = cfg.num_kv_heads * cfg.head_dim
         for i in range(cfg.num_layers):
             p, hp = f"layers.{i}.", f"model.layers.{i}."
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
