@@ -33,6 +33,7 @@ test: setup lint
 
 bench: setup
 	$(BIN)/dmtd bench engine --json docs/figures/bench_engine.json
+	$(BIN)/dmtd bench autoscale --json docs/figures/autoscale.json --png docs/figures/autoscale.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -135,10 +135,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_autoscale(args: argparse.Namespace) -> int:
+def bench_autoscale(argv: list[str]) -> int:
+    """``dmtd bench autoscale``: the operator's simulator, which owns its own flags."""
     from dmtd_operator.simulate import main as simulate_main
 
-    return int(simulate_main(args.rest))
+    return int(simulate_main(argv))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,14 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_bench_args(be)
     be.set_defaults(func=cmd_bench_engine)
-    ba = bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies",
-                         add_help=False)
-    ba.add_argument("rest", nargs=argparse.REMAINDER)
-    ba.set_defaults(func=cmd_bench_autoscale)
+    # parsed by the simulator itself (see main); listed here for --help
+    bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "autoscale"]:
+        return bench_autoscale(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
