@@ -26,7 +26,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dmtd.variants.manifest import ManifestError
     from dmtd.variants.smollm2 import ModelNotFoundError
 
-    return UsageError, ConfigError, RequestError, ManifestError, ModelNotFoundError
+    errors: tuple[type[BaseException], ...] = (UsageError, ConfigError, RequestError, ManifestError,
+                                               ModelNotFoundError)
+    try:
+        from dmtd.train.errors import TRAIN_USER_ERRORS
+    except ImportError:  # pragma: no cover - a build without the training package
+        return errors
+    return errors + TRAIN_USER_ERRORS
 
 
 def default_variant() -> str:
@@ -135,6 +141,24 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from dmtd.train.commands import run_data
+
+    return run_data(args)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dmtd.train.commands import run_train
+
+    return run_train(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from dmtd.train.commands import run_eval
+
+    return run_eval(args)
+
+
 def bench_autoscale(argv: list[str]) -> int:
     """``dmtd bench autoscale``: the operator's simulator, which owns its own flags."""
     from dmtd_operator.simulate import main as simulate_main
@@ -159,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench_engine)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
+    from dmtd.train.commands import add_data_args, add_eval_args, add_train_args
+
+    d = sub.add_parser("data", help="make a self-distillation corpus with the base model (resumable)")
+    add_data_args(d)
+    d.set_defaults(func=cmd_data)
+    t = sub.add_parser("train", help="cyclical-masking fine-tuning into a DMTD variant (resumable)")
+    add_train_args(t)
+    t.set_defaults(func=cmd_train)
+    e = sub.add_parser("eval", help="evaluate a variant against its base model (quality, speed, frontier)")
+    add_eval_args(e)
+    e.set_defaults(func=cmd_eval)
     return parser
 
 

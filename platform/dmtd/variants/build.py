@@ -6,14 +6,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
 from dmtd.variants.loader import LoadedModel, load_model
-from dmtd.variants.manifest import MANIFEST_NAME, ManifestError, VariantManifest, read_manifest, sha256_file
+from dmtd.variants.manifest import (
+    MANIFEST_NAME,
+    ManifestError,
+    VariantManifest,
+    base_fingerprint,
+    read_manifest,
+    sha256_file,
+)
 
 BASE_TAU_MAX = 8
+LORA_FORMAT = "dmtd-lora-v1"
+LORA_A, LORA_B = ".lora_A", ".lora_B"
+
+
+def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """An input-major weight ``[in, out]`` plus its low-rank update ``scale · A[in, r] @ B[r, out]``.
+
+    The one formula shared by training (differentiably, every step) and loading (once), so a trained
+    adapter serves exactly what it was trained as.
+    """
+    return weight + torch.matmul(a, b) * scale
 
 
 @dataclass(slots=True)
@@ -39,23 +58,86 @@ def find_variant(name_or_path: str, search_dirs: list[Path] | None = None) -> Pa
     raise ManifestError(f"variant {name_or_path!r} not found (not a path, not a shipped variant)")
 
 
-def apply_variant_weights(loaded: LoadedModel, manifest: VariantManifest, root: Path) -> None:
-    """Check the manifest fits the base model and load the variant's trained tensors over it."""
-    dmtd = manifest.dmtd_config()
+def _checked_file(manifest: VariantManifest, root: Path, rel: str, sha: str | None, what: str) -> Path:
+    path = root / rel
+    if not path.is_file():
+        raise ManifestError(f"variant {manifest.name!r}: {what} file {str(path)!r} not found")
+    digest = sha256_file(path)
+    if digest != sha:
+        raise ManifestError(f"variant {manifest.name!r}: {what} checksum mismatch "
+                            f"(manifest {sha}, file {digest}): the file is corrupted or was replaced")
+    return path
+
+
+def check_fits_base(loaded: LoadedModel, manifest: VariantManifest) -> None:
+    """The manifest's layer split, vocabulary and base checksum match the loaded base model."""
     try:
-        dmtd.check_model(loaded.config)
+        manifest.dmtd_config().check_model(loaded.config)
     except ConfigError as e:
         raise ManifestError(f"variant {manifest.name!r} does not fit base model {loaded.path}: {e}") from e
-    if manifest.weights is None:
-        return
-    wpath = root / manifest.weights
-    if not wpath.is_file():
-        raise ManifestError(f"variant {manifest.name!r}: weights file {str(wpath)!r} not found")
-    digest = sha256_file(wpath)
-    if digest != manifest.weights_sha256:
-        raise ManifestError(f"variant {manifest.name!r}: weights checksum mismatch "
-                            f"(manifest {manifest.weights_sha256}, file {digest})")
-    tensors = load_file(str(wpath))
+    if manifest.vocab_size is not None and manifest.vocab_size != loaded.config.vocab_size:
+        raise ManifestError(f"variant {manifest.name!r} does not fit base model {loaded.path}: vocab_size "
+                            f"{manifest.vocab_size} in the manifest, {loaded.config.vocab_size} in the model")
+    if manifest.base_fingerprint is not None:
+        have = base_fingerprint(loaded.path)
+        if have != manifest.base_fingerprint:
+            raise ManifestError(f"variant {manifest.name!r} does not fit base model {loaded.path}: base checksum "
+                                f"{have[:16]}… differs from the manifest's {manifest.base_fingerprint[:16]}…")
+
+
+def apply_variant_weights(loaded: LoadedModel, manifest: VariantManifest, root: Path) -> None:
+    """Check the manifest fits the base model, then load its tensors and merge its adapter over it."""
+    check_fits_base(loaded, manifest)
+    if manifest.weights is not None:
+        wpath = _checked_file(manifest, root, manifest.weights, manifest.weights_sha256, "weights")
+        _load_tensors(loaded, manifest, load_file(str(wpath)))
+    if manifest.adapter is not None:
+        apath = _checked_file(manifest, root, manifest.adapter, manifest.adapter_sha256, "adapter")
+        apply_adapter(loaded, manifest, apath)
+    loaded.model.lm_head_t, loaded.model._weights = None, None
+
+
+def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a LoRA adapter file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    except (SafetensorError, OSError) as e:
+        raise ManifestError(f"adapter {str(path)!r} is not a readable safetensors file: {e}") from e
+    if meta.get("format") != LORA_FORMAT:
+        raise ManifestError(f"adapter {str(path)!r} is not a {LORA_FORMAT} file (format={meta.get('format')!r})")
+    return tensors, meta
+
+
+def apply_adapter(loaded: LoadedModel, manifest: VariantManifest, path: Path) -> None:
+    """Merge ``W + (alpha / rank) · A @ B`` into the named weights, after checking the adapter's base."""
+    tensors, meta = read_adapter(path)
+    made_for = meta.get("base_fingerprint")
+    have = manifest.base_fingerprint or base_fingerprint(loaded.path)
+    if made_for != have:
+        raise ManifestError(f"adapter {str(path)!r} was made for another base model (base checksum "
+                            f"{str(made_for)[:16]}…, this base is {have[:16]}…)")
+    try:
+        scale = float(meta["alpha"]) / float(meta["rank"])
+    except (KeyError, ValueError) as e:
+        raise ManifestError(f"adapter {str(path)!r}: metadata lacks a numeric alpha and rank") from e
+    own = loaded.model.state_dict()
+    names = sorted(k[: -len(LORA_A)] for k in tensors if k.endswith(LORA_A))
+    for name in names:
+        a, b = tensors[name + LORA_A], tensors.get(name + LORA_B)
+        if name not in own or b is None:
+            raise ManifestError(f"adapter {str(path)!r}: {name!r} is not a base weight or lacks its B matrix")
+        if a.shape[0] != own[name].shape[0] or b.shape[1] != own[name].shape[1] or a.shape[1] != b.shape[0]:
+            raise ManifestError(f"adapter {str(path)!r}: {name!r} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                                f"which do not fit the base weight {tuple(own[name].shape)}")
+    with torch.no_grad():
+        for name in names:
+            w = own[name]
+            w.copy_(merge_lora(w, tensors[name + LORA_A].to(w.dtype), tensors[name + LORA_B].to(w.dtype), scale))
+
+
+def _load_tensors(loaded: LoadedModel, manifest: VariantManifest, tensors: dict[str, torch.Tensor]) -> None:
     own = loaded.model.state_dict()
     for k, t in tensors.items():
         if k not in own:

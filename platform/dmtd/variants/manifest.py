@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -37,6 +38,15 @@ class VariantManifest(BaseModel):
     phase_anchor: Literal["prompt_end", "absolute"] = "prompt_end"
     head_input: Literal["residual_add", "replace"] = "replace"
     description: str = ""
+    base_fingerprint: str | None = Field(None, description="SHA-256 over the base model's tensors "
+                                         "(dmtd.variants.manifest.base_fingerprint); None = not checked")
+    vocab_size: int | None = Field(None, ge=1, description="the base model's vocabulary size; None = not checked")
+    adapter: str | None = Field(None, description="safetensors file of LoRA adapters (format dmtd-lora-v1), "
+                                "merged into the base weights at load, relative to the manifest")
+    adapter_sha256: str | None = Field(None, description="SHA-256 of the adapter file")
+    recipe: dict[str, Any] | None = Field(None, description="the training config that made the variant")
+    data_hash: str | None = Field(None, description="content hash of the training corpus")
+    eval: dict[str, Any] | None = Field(None, description="headline results of `dmtd eval` on the variant")
 
     @model_validator(mode="after")
     def _tau_in_range(self) -> VariantManifest:
@@ -44,11 +54,55 @@ class VariantManifest(BaseModel):
             raise ValueError(f"default_tau ({self.default_tau}) must be <= tau_max ({self.tau_max})")
         if (self.weights is None) != (self.weights_sha256 is None):
             raise ValueError("weights and weights_sha256 must be given together")
+        if (self.adapter is None) != (self.adapter_sha256 is None):
+            raise ValueError("adapter and adapter_sha256 must be given together")
         return self
 
     def dmtd_config(self) -> DMTDConfig:
         return DMTDConfig(self.num_encoding_layers, self.num_thinking_layers, self.num_decoding_layers,
                           self.tau_max, self.phase_anchor, self.head_input)
+
+
+def base_fingerprint(model_dir: Path) -> str:
+    """SHA-256 over a model directory's tensors (names, dtypes, shapes, bytes), independent of file metadata.
+
+    Cached under the dmtd cache keyed by file path, size and mtime (hashing SmolLM2 takes ~2 s).
+    """
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ManifestError(f"{model_dir}: no *.safetensors files to fingerprint")
+    key = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    cache = _fingerprint_cache()
+    try:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key in known:
+        return str(known[key])
+    h = hashlib.sha256()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                t = st.get_tensor(name).contiguous()
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    digest = h.hexdigest()
+    known[key] = digest
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return digest
+
+
+def _fingerprint_cache() -> Path:
+    return Path(os.environ.get("DMTD_CACHE", Path.home() / ".cache" / "dmtd")) / "fingerprints.json"
 
 
 def sha256_file(path: Path) -> str:

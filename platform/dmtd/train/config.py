@@ -1,0 +1,68 @@
+"""The training recipe's configuration (user-facing, pydantic; stored in every checkpoint and variant)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Fields a resumed run may change without breaking exactness of what was already trained.
+RESUMABLE_CHANGES = ("max_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_records", "threads")
+
+
+class TrainConfig(BaseModel):
+    """A cyclical-masking fine-tuning run (design.md §1): routing, scope, loss and schedule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("smollm2-dmtd", pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$", description="variant name")
+    corpus: str = Field(description="corpus directory made by `dmtd data`")
+    base_model: str = Field("smollm2", description="'smollm2' or a local HF directory")
+    num_encoding_layers: int = Field(0, ge=0)
+    num_decoding_layers: int = Field(8, ge=1)
+    phase_anchor: Literal["prompt_end", "absolute"] = "prompt_end"
+    head_input: Literal["residual_add", "replace"] = "replace"
+    tau_min: int = Field(2, ge=1, description="τ is drawn per sequence from tau_min..tau_max (equal = fixed τ)")
+    tau_max: int = Field(4, ge=1, le=16)
+    scope: Literal["decoding", "all", "lora"] = Field("decoding", description="what trains: the decoding "
+                                                      "layers, all layers, or LoRA adapters on lora_layers")
+    lora_layers: str = Field("decoding", description="'decoding', 'all' or indices like '18-29'")
+    lora_targets: list[str] = Field(default_factory=lambda: ["qkv", "o", "gate_up", "down"])
+    lora_rank: int = Field(32, ge=1)
+    lora_alpha: float = Field(64.0, gt=0)
+    lora_train_norms: bool = Field(True, description="also train the RMSNorm weights of LoRA layers")
+    kl_weight: float = Field(1.0, ge=0, description="KL(base ‖ student) self-distillation weight")
+    ce_weight: float = Field(0.0, ge=0, description="cross-entropy on the corpus tokens")
+    head_weight: float = Field(1.0, ge=0, description="loss weight of head positions")
+    tail_weight: float = Field(1.0, ge=0, description="loss weight of tail positions")
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    warmup_steps: int = Field(20, ge=0)
+    max_steps: int = Field(1000, ge=1)
+    batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    max_len: int = Field(384, ge=8, description="tokens per sequence (prompt + completion, truncated)")
+    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    seed: int = 0
+    checkpoint_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    eval_every: int = Field(0, ge=0, description="steps between held-out agreement checks (0 = off)")
+    eval_records: int = Field(16, ge=1)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's default)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.tau_min > self.tau_max:
+            raise ValueError(f"tau_min ({self.tau_min}) must be <= tau_max ({self.tau_max})")
+        if self.kl_weight == 0 and self.ce_weight == 0:
+            raise ValueError("kl_weight and ce_weight cannot both be 0")
+        if self.head_weight == 0 and self.tail_weight == 0:
+            raise ValueError("head_weight and tail_weight cannot both be 0")
+        return self
+
+    def identity(self) -> dict[str, object]:
+        """The fields a resume must match exactly."""
+        return self.model_dump(exclude=set(RESUMABLE_CHANGES))

@@ -1,0 +1,142 @@
+"""``dmtd data``: complete prompts with the base model through our engine, shard by shard, resumably."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.sequence import SamplingParams
+from dmtd.train.corpus import (
+    CORPUS_MANIFEST,
+    CorpusConfig,
+    CorpusError,
+    CorpusManifest,
+    PlannedRecord,
+    Record,
+    ShardInfo,
+    plan_records,
+    read_manifest,
+    sha256_bytes,
+    shard_name,
+    write_atomic,
+    write_manifest,
+)
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+def load_user_prompts(path: Path) -> list[Prompt]:
+    """Prompts from a user file: ``.txt`` (one per line) or ``.jsonl`` (``{"prompt": ..}`` / ``{"messages": [..]}``)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CorpusError(f"prompt file {str(path)!r} not found")
+    out: list[Prompt] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            out.append(line.strip().replace("\\n", "\n"))
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{path}:{n}: not valid JSON ({e})") from e
+        if isinstance(d, dict) and isinstance(d.get("prompt"), str) and d["prompt"]:
+            out.append(d["prompt"])
+        elif isinstance(d, dict) and isinstance(d.get("messages"), list) and d["messages"] and all(
+                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in d["messages"]):
+            out.append([{"role": str(m["role"]), "content": str(m["content"])} for m in d["messages"]])
+        else:
+            raise CorpusError(f"{path}:{n}: expected {{\"prompt\": str}} or {{\"messages\": [{{role, content}}]}}")
+    if not out:
+        raise CorpusError(f"prompt file {str(path)!r} holds no prompts")
+    return out
+
+
+def render_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: a user turn (or message list) through the chat template when there is one."""
+    tok = engine.tokenizer
+    has_template = tok is not None and getattr(tok, "chat_template", None)
+    if prompt and isinstance(prompt, list) and isinstance(prompt[0], int):
+        return engine.encode(prompt)  # type: ignore[arg-type]
+    if isinstance(prompt, str):
+        return engine.encode([{"role": "user", "content": prompt}] if has_template else prompt)
+    if not has_template:
+        return engine.encode("\n".join(m["content"] for m in prompt))  # type: ignore[index]
+    return engine.encode(prompt)  # type: ignore[arg-type]
+
+
+def _open_or_create(out: Path, cfg: CorpusConfig, num_planned: int) -> CorpusManifest:
+    if (out / CORPUS_MANIFEST).is_file():
+        m = read_manifest(out)
+        if m.config != cfg:
+            diff = [k for k, v in cfg.model_dump().items() if m.config.model_dump().get(k) != v]
+            raise CorpusError(f"{out} already holds a corpus made with a different config ({', '.join(diff)}); "
+                              "use a new --out or the same settings to resume")
+        for s in m.shards:
+            path = out / s.name
+            if not path.is_file() or sha256_bytes(path.read_bytes()) != s.sha256:
+                raise CorpusError(f"corpus {str(out)!r}: shard {s.name} is missing or corrupted; "
+                                  "delete the corpus directory and start again")
+        return m
+    if out.exists() and any(out.iterdir()):
+        raise CorpusError(f"{out} exists, is not empty and holds no {CORPUS_MANIFEST}")
+    out.mkdir(parents=True, exist_ok=True)
+    m = CorpusManifest(config=cfg, num_planned_records=num_planned)
+    write_manifest(out, m)
+    return m
+
+
+def make_corpus(out: Path, engine: LLMEngine, prompts: list[Prompt], cfg: CorpusConfig,
+                progress: bool = True, on_shard: Callable[[int], Any] | None = None) -> CorpusManifest:
+    """Generate (or resume) the corpus described by ``cfg`` into ``out``; returns the final manifest.
+
+    ``on_shard(k)`` is called after shard ``k`` is durably written (tests use it to interrupt).
+    """
+    if len(prompts) != cfg.num_prompts:
+        raise CorpusError(f"config says {cfg.num_prompts} prompts, got {len(prompts)}")
+    plan = plan_records(cfg)
+    m = _open_or_create(Path(out), cfg, len(plan))
+    chunks = [plan[i: i + cfg.shard_size] for i in range(0, len(plan), cfg.shard_size)]
+    done = sum(s.num_records for s in m.shards)
+    bar = tqdm(total=len(plan), initial=done, unit="seq", desc="dmtd data", disable=not progress,
+               dynamic_ncols=True)
+    n_tok, t0 = 0, time.perf_counter()
+    for k in range(len(m.shards), len(chunks)):
+        records = _complete(engine, prompts, chunks[k], cfg)
+        data = "".join(r.to_json() + "\n" for r in records).encode()
+        write_atomic(Path(out) / shard_name(k), data)
+        m.shards.append(ShardInfo(name=shard_name(k), sha256=sha256_bytes(data), num_records=len(records),
+                                  num_tokens=sum(r.num_tokens for r in records)))
+        write_manifest(Path(out), m)
+        n_tok += sum(len(r.completion_ids) for r in records)
+        bar.update(len(records))
+        bar.set_postfix(tokens=m.num_tokens, gen_tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}")
+        if on_shard is not None:
+            on_shard(k)
+    bar.close()
+    m.complete = True
+    write_manifest(Path(out), m)
+    return m
+
+
+def _complete(engine: LLMEngine, prompts: list[Prompt], chunk: list[PlannedRecord],
+              cfg: CorpusConfig) -> list[Record]:
+    ids = [render_prompt(engine, prompts[r.prompt_idx]) for r in chunk]
+    params = [SamplingParams(temperature=r.temperature, top_p=cfg.top_p if r.temperature > 0 else 1.0,
+                             seed=r.seed, max_new_tokens=cfg.max_new_tokens) for r in chunk]
+    results = engine.generate(ids, params)
+    out = []
+    for r, p_ids, res in zip(chunk, ids, results):
+        if res.error:
+            raise CorpusError(f"generation failed for prompt {r.prompt_idx}: {res.error}")
+        out.append(Record(r.idx, r.prompt_idx, r.split, r.temperature, r.seed, p_ids, res.token_ids,
+                          res.finish_reason or "length"))
+    return out

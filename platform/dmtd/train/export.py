@@ -1,0 +1,48 @@
+"""Export a trained student as a variant directory: ``variant.json`` + weights and/or a LoRA adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dmtd.train.config import TrainConfig
+from dmtd.train.student import DMTDStudent
+from dmtd.variants.manifest import MANIFEST_NAME, VariantManifest, sha256_file
+
+WEIGHTS_FILE = "weights.safetensors"
+ADAPTER_FILE = "adapter.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_variant(student: DMTDStudent, cfg: TrainConfig, out: Path, base_fingerprint: str, data_hash: str,
+                   dtype: str = "float32", default_tau: int | None = None, min_confidence: float = 0.0,
+                   extra: dict[str, Any] | None = None) -> VariantManifest:
+    """Write the trained tensors (full layers: ``weights``; LoRA: ``adapter`` + trained norms) and a manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    dt = DTYPES[dtype]
+    d = student.dmtd
+    full = {n: p.detach().to(dt).contiguous() for n, p in student.model.named_parameters() if p.requires_grad}
+    fields: dict[str, Any] = {}
+    if full:
+        save_file(full, str(out / WEIGHTS_FILE), metadata={"base_fingerprint": base_fingerprint})
+        fields.update(weights=WEIGHTS_FILE, weights_sha256=sha256_file(out / WEIGHTS_FILE))
+    if student.lora is not None:
+        student.lora.export(out / ADAPTER_FILE, base_fingerprint, dt)
+        fields.update(adapter=ADAPTER_FILE, adapter_sha256=sha256_file(out / ADAPTER_FILE))
+    manifest = VariantManifest(
+        name=cfg.name, base_model=cfg.base_model, num_encoding_layers=d.num_encoding_layers,
+        num_thinking_layers=d.num_thinking_layers, num_decoding_layers=d.num_decoding_layers,
+        tau_max=cfg.tau_max, default_tau=min(default_tau or cfg.tau_max, cfg.tau_max),
+        min_confidence=min_confidence, phase_anchor=d.phase_anchor, head_input=d.head_input,
+        base_fingerprint=base_fingerprint, vocab_size=student.model.config.vocab_size,
+        recipe={**cfg.model_dump(), "export_dtype": dtype, **(extra or {})}, data_hash=data_hash,
+        description=f"DMTD variant of {cfg.base_model}: {cfg.scope} scope, D={d.num_decoding_layers}, "
+                    f"τ {cfg.tau_min}..{cfg.tau_max}",
+        **fields,
+    )
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(exclude_none=True), indent=1) + "\n")
+    return manifest

@@ -1,0 +1,217 @@
+"""``dmtd train``: the cyclical-masking fine-tuning recipe, top to bottom.
+
+config → base model + corpus (checked) → student/teacher → AdamW → one loop: batches (a pure function
+of the step) → loss → clip → step → log → checkpoint (exact resume) → export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from dmtd.engine.config import ConfigError, DMTDConfig
+from dmtd.train.batches import DataOrder, draw_taus, make_batch
+from dmtd.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from dmtd.train.config import RESUMABLE_CHANGES, TrainConfig
+from dmtd.train.corpus import Corpus, CorpusError, load_corpus
+from dmtd.train.lora import LoRAAdapters, parse_layers
+from dmtd.train.metrics import batch_weight, distill_loss, teacher_forced
+from dmtd.train.student import DMTDStudent
+from dmtd.variants.loader import LoadedModel, load_model
+from dmtd.variants.manifest import base_fingerprint
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr``, then cosine down to ``lr * min_lr_ratio`` at ``max_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.max_steps - cfg.warmup_steps, 1)
+    frac = min((step - cfg.warmup_steps) / span, 1.0)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def dmtd_of(cfg: TrainConfig, num_layers: int) -> DMTDConfig:
+    t = num_layers - cfg.num_encoding_layers - cfg.num_decoding_layers
+    if t < 1:
+        raise ConfigError(f"num_encoding_layers ({cfg.num_encoding_layers}) + num_decoding_layers "
+                          f"({cfg.num_decoding_layers}) must leave >= 1 thinking layer of {num_layers}")
+    return DMTDConfig(cfg.num_encoding_layers, t, cfg.num_decoding_layers, cfg.tau_max, cfg.phase_anchor,
+                      cfg.head_input)
+
+
+@dataclass(slots=True)
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0
+    last: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """One training run in ``run_dir``; constructing it validates every input and resumes if it can."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None,
+                 progress: bool = True, resume_from: Path | None = None) -> None:
+        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir).expanduser(), progress
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        ckpt = None
+        path = resume_from if resume_from is not None else (
+            latest_checkpoint(self.run_dir) if self.run_dir.is_dir() else None)
+        if path is not None:
+            ckpt = load_checkpoint(Path(path))
+            self._check_resume(ckpt)
+        self.loaded = loaded or load_model(cfg.base_model, tokenizer=False)
+        self.fingerprint = base_fingerprint(self.loaded.path)
+        self.corpus = self._open_corpus()
+        self.dmtd = dmtd_of(cfg, self.loaded.config.num_layers)
+        model = self.loaded.model
+        lora = None
+        if cfg.scope == "lora":
+            try:
+                layers = parse_layers(cfg.lora_layers, model.config.num_layers, self.dmtd.decoding_start)
+                lora = LoRAAdapters(model, layers, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+            except ValueError as e:
+                raise ConfigError(f"lora: {e}") from e
+        self.student = DMTDStudent(model, self.dmtd, cfg.scope, lora, cfg.lora_train_norms)
+        self.params = self.student.named_trainable()
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                     weight_decay=cfg.weight_decay, foreach=False)
+        self.train_records = self.corpus.split("train")
+        self.heldout = self.corpus.split("heldout")
+        if not self.train_records:
+            raise CorpusError(f"corpus {cfg.corpus!r} has no training records")
+        self.order = DataOrder([min(r.num_tokens, cfg.max_len) for r in self.train_records], cfg.batch_size,
+                               cfg.seed)
+        self.state = TrainState()
+        if ckpt is not None:
+            self._restore(ckpt)
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def _open_corpus(self) -> Corpus:
+        corpus = load_corpus(Path(self.cfg.corpus), vocab_size=self.loaded.config.vocab_size)
+        if corpus.manifest.config.base_fingerprint != self.fingerprint:
+            raise CorpusError(f"corpus {self.cfg.corpus!r} was made with another base model "
+                              f"({corpus.manifest.config.base_model}), not {self.loaded.path}")
+        return corpus
+
+    def _check_resume(self, ckpt: dict[str, Any]) -> None:
+        try:
+            old = TrainConfig.model_validate(ckpt["config"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint config is invalid: {str(e).splitlines()[0]}") from e
+        a, b = old.identity(), self.cfg.identity()
+        diff = sorted(k for k in a if a[k] != b.get(k))
+        if diff:
+            raise CheckpointError(f"{self.run_dir} holds a run with a different config ({', '.join(diff)}); "
+                                  f"use another --run-dir or the same settings (may change: "
+                                  f"{', '.join(RESUMABLE_CHANGES)})")
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        if ckpt["corpus_hash"] != self.corpus.content_hash:
+            raise CheckpointError("the checkpoint was trained on another corpus (content hash "
+                                  f"{str(ckpt['corpus_hash'])[:12]}…, now {self.corpus.content_hash[:12]}…)")
+        if ckpt["base_fingerprint"] != self.fingerprint:
+            raise CheckpointError("the checkpoint was trained from another base model")
+        names = set(self.params)
+        if set(ckpt["trainable"]) != names:
+            raise CheckpointError("the checkpoint's trainable tensors do not match this run's scope")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                t = ckpt["trainable"][n]
+                if t.shape != p.shape:
+                    raise CheckpointError(f"checkpoint tensor {n} has shape {tuple(t.shape)}, expected "
+                                          f"{tuple(p.shape)}")
+                p.copy_(t)
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.state = TrainState(int(ckpt["step"]), int(ckpt.get("tokens_seen", 0)),
+                                float(ckpt.get("elapsed_s", 0.0)), dict(ckpt.get("last", {})))
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        batches = []
+        for k in range(cfg.grad_accum):
+            idx = step * cfg.grad_accum + k
+            recs = [self.train_records[i] for i in self.order.micro_batch(idx)]
+            taus = draw_taus(cfg.seed, idx, len(recs), cfg.tau_min, cfg.tau_max)
+            batches.append(make_batch(recs, taus, self.dmtd, cfg.max_len))
+        total = sum(batch_weight(b, cfg.head_weight, cfg.tail_weight) for b in batches) or 1.0
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        agg: dict[str, float] = {"loss": 0.0}
+        for b in batches:
+            ls, lt = self.student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
+            is_tail = ~b.head_mask[b.loss_mask]
+            loss, stats = distill_loss(ls, lt, b.targets[b.loss_mask], is_tail, cfg.kl_weight, cfg.ce_weight,
+                                       cfg.head_weight, cfg.tail_weight, total)
+            loss.backward()
+            agg["loss"] += float(loss.detach())
+            for k, v in stats.items():
+                agg[k] = agg.get(k, 0.0) + v / len(batches)
+        agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), cfg.grad_clip))
+        self.opt.step()
+        agg["lr"] = lr_at(step, cfg)
+        agg["tokens"] = float(sum(b.num_tokens for b in batches))
+        return agg
+
+    def run(self, stop_at: int | None = None) -> TrainState:
+        """Train to ``max_steps`` (or stop after ``stop_at`` steps, as an interruption would), checkpointing."""
+        cfg, st = self.cfg, self.state
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1) + "\n")
+        end = min(cfg.max_steps, stop_at if stop_at is not None else cfg.max_steps)
+        bar = tqdm(total=cfg.max_steps, initial=st.step, unit="step", desc=f"dmtd train {cfg.name}",
+                   disable=not self.progress, dynamic_ncols=True)
+        log = (self.run_dir / "log.jsonl").open("a")
+        try:
+            while st.step < end:
+                t0 = time.perf_counter()
+                stats = self.train_step(st.step)
+                dt = time.perf_counter() - t0
+                st.step += 1
+                st.tokens_seen += int(stats["tokens"])
+                st.elapsed_s += dt
+                st.last = stats
+                log.write(json.dumps({"step": st.step, **stats, "tok_s": stats["tokens"] / dt}) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", tail=f"{stats.get('tail_agree', 0):.3f}",
+                                tok_s=f"{stats['tokens'] / dt:.0f}")
+                if cfg.eval_every and st.step % cfg.eval_every == 0:
+                    ev = self.heldout_agreement()
+                    log.write(json.dumps({"step": st.step, "eval": ev}) + "\n")
+                    log.flush()
+                if st.step % cfg.checkpoint_every == 0 or st.step == end:
+                    self.save()
+        finally:
+            log.close()
+            bar.close()
+        return st
+
+    def heldout_agreement(self) -> dict[str, float]:
+        recs = self.heldout[: self.cfg.eval_records]
+        if not recs:
+            return {}
+        res = teacher_forced(self.student, recs, list(range(max(2, self.cfg.tau_min), self.cfg.tau_max + 1)),
+                             self.cfg.batch_size, self.cfg.max_len)
+        return {str(t): round(v["tail_agreement"], 4) for t, v in res.items()}
+
+    def save(self) -> Path:
+        st = self.state
+        trainable = {n: p.detach().clone() for n, p in self.params.items()}
+        return save_checkpoint(self.run_dir, {
+            "step": st.step, "config": self.cfg.model_dump(), "trainable": trainable,
+            "optimizer": self.opt.state_dict(), "corpus_hash": self.corpus.content_hash,
+            "base_fingerprint": self.fingerprint, "tokens_seen": st.tokens_seen, "elapsed_s": st.elapsed_s,
+            "last": st.last,
+        }, self.cfg.keep_checkpoints)
