@@ -28,7 +28,7 @@ HELM = shutil.which("helm", path=str(ROOT / ".venv" / "bin")) or shutil.which("h
 KUBECTL = shutil.which("kubectl")
 NAMESPACE = os.environ.get("DMTD_E2E_NAMESPACE", "dmtd-e2e")
 STREAM_CMD = os.environ.get(
-    "DMTD_E2E_STREAM_CMD", "dmtd generate --target {target} --prompt Hello --max-new-tokens 8"
+    "DMTD_E2E_STREAM_CMD", "dmtd generate --server {target} --prompt Hello --max-new-tokens 8"
 )
 
 pytestmark = [
