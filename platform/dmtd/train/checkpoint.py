@@ -34,12 +34,13 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     torch.save({"format": CKPT_FORMAT, **state}, tmp)
     os.replace(tmp, path)
-    latest = {"checkpoint": path.name, "sha256": _sha256(path), "step": int(state["step"])}
+    digest = _sha256(path)
+    latest = {"checkpoint": path.name, "sha256": digest, "step": int(state["step"])}
     tmp_l = run_dir / f".{LATEST}.tmp-{os.getpid()}"
     tmp_l.write_text(json.dumps(latest, indent=1) + "\n")
     os.replace(tmp_l, run_dir / LATEST)
     hashes = _hashes(run_dir)
-    hashes[path.name] = latest["sha256"]
+    hashes[path.name] = digest
     olds = sorted(p for p in run_dir.glob("ckpt-*.pt"))[:-keep]
     for old in olds:
         old.unlink(missing_ok=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dmtd.engine.config import ConfigError
-
 
 class TrainInputError(ValueError):
     """Bad input to a training command (missing file, bad option combination): exit code 2."""
@@ -80,23 +78,169 @@ def run_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_positive(**kw: float) -> None:
-    for k, v in kw.items():
-        if v is not None and v <= 0:
-            raise ConfigError(f"{k} must be > 0, got {v}")
+
+def _type_of(annotation: object) -> tuple[type | None, list[str] | None]:
+    """argparse type and choices for a TrainConfig field annotation."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, [str(a) for a in args]
+    if args and typing.get_origin(args[0]) is typing.Literal:
+        return str, [str(a) for a in typing.get_args(args[0])]
+    base = args[0] if args else annotation
+    if typing.get_origin(base) is list:
+        return None, None
+    return (base if isinstance(base, type) else str), None
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    pass
+    from dmtd.train.config import TrainConfig
+
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="checkpoints, log and config (default ~/.cache/dmtd/runs/NAME); resumed when it holds a run")
+    p.add_argument("--resume-from", type=Path, default=None, help="a specific checkpoint file to resume from")
+    p.add_argument("--stop-after", type=int, default=None, help="train at most this many steps in this invocation")
+    p.add_argument("--export", type=Path, default=None, help="variant directory to write (default RUN_DIR/variant)")
+    p.add_argument("--export-only", action="store_true", help="export the latest checkpoint and exit")
+    p.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--export-rank", type=int, default=None,
+                   help="store trained full-layer matrices as a rank-R (truncated SVD) adapter of their change")
+    p.add_argument("--default-tau", type=int, default=None, help="the exported manifest's default_tau")
+    p.add_argument("--min-confidence", type=float, default=0.0, help="the exported manifest's min_confidence")
+    g = p.add_argument_group("recipe (TrainConfig; omitted = the resumed run's value or the default)")
+    for name, f in TrainConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        typ, choices = _type_of(f.annotation)
+        help_ = f"{f.description or ''} (default {f.get_default(call_default_factory=True)!r})"
+        if typ is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typ is None:
+            g.add_argument(flag, default=None, help=help_ + "; comma-separated")
+        else:
+            g.add_argument(flag, type=typ, choices=choices, default=None, help=help_)
+
+
+def train_config_from_args(args: argparse.Namespace, run_dir: Path | None) -> tuple[object, Path]:
+    import json
+
+    from pydantic import ValidationError
+
+    from dmtd.train.config import TrainConfig
+    from dmtd.variants.smollm2 import cache_dir
+
+    given = {k: getattr(args, k) for k in TrainConfig.model_fields if getattr(args, k, None) is not None}
+    if isinstance(given.get("lora_targets"), str):
+        given["lora_targets"] = [t for t in given["lora_targets"].split(",") if t]
+    name = given.get("name", TrainConfig.model_fields["name"].default)
+    rd = (run_dir or cache_dir() / "runs" / str(name)).expanduser()
+    stored: dict = {}
+    if (rd / "config.json").is_file():
+        try:
+            stored = json.loads((rd / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise TrainInputError(f"{rd / 'config.json'}: corrupted ({e})") from e
+    try:
+        cfg = TrainConfig.model_validate({**stored, **given})
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = "--" + ".".join(str(x) for x in first["loc"]).replace("_", "-")
+        raise TrainInputError(f"{loc}: {first['msg']}") from e
+    return cfg, rd
 
 
 def run_train(args: argparse.Namespace) -> int:
-    raise TrainInputError("not yet")
+    import torch
+
+    from dmtd.train.config import TrainConfig
+    from dmtd.train.export import export_variant
+    from dmtd.train.trainer import Trainer
+
+    cfg, run_dir = train_config_from_args(args, args.run_dir)
+    assert isinstance(cfg, TrainConfig)
+    if args.export_only and not (run_dir / "latest.json").is_file() and args.resume_from is None:
+        raise TrainInputError(f"--export-only: {run_dir} holds no checkpoint")
+    if torch.cuda.is_available():
+        print("note: CUDA is present; this recipe trains on CPU fp32 (see docs/training.md for GPU runs)")
+    trainer = Trainer(cfg, run_dir, resume_from=args.resume_from)
+    if not args.export_only:
+        if trainer.state.step:
+            print(f"resuming {run_dir} at step {trainer.state.step}")
+        stop = None if args.stop_after is None else trainer.state.step + args.stop_after
+        trainer.run(stop_at=stop)
+    out = args.export or run_dir / "variant"
+    m = export_variant(trainer.student, cfg, out, trainer.fingerprint, trainer.corpus.content_hash,
+                       args.export_dtype, args.default_tau, args.min_confidence,
+                       {"steps": trainer.state.step, "tokens_seen": trainer.state.tokens_seen},
+                       rank=args.export_rank)
+    print(f"step {trainer.state.step}: exported variant {m.name!r} to {out}")
+    return 0
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--variant", default=None, help="variant name or manifest path (default: the shipped one)")
+    p.add_argument("--model", default=None, help="base model (default: the manifest's base_model)")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="corpus whose held-out split is used (default: the variant recipe's corpus)")
+    p.add_argument("--quick", action="store_true", help="a small subset that runs in a few minutes")
+    p.add_argument("--taus", type=ints, default=None, help="cycle lengths to evaluate (default 2,3,4)")
+    p.add_argument("--confidences", type=floats, default=None, help="min_confidence sweep for the frontier")
+    p.add_argument("--frontier-taus", type=ints, default=None)
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+    p.add_argument("--png", type=Path, default=None, help="plot quality and speed against τ, and the frontier")
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    raise TrainInputError("not yet")
+    import dataclasses
+    import json
+
+    import torch
+
+    from dmtd.train.corpus import load_corpus
+    from dmtd.train.evaluate import EvalConfig, Evaluator
+    from dmtd.train.plots import plot_report, summary_lines
+    from dmtd.variants.build import find_variant
+    from dmtd.variants.loader import load_model
+    from dmtd.variants.manifest import read_manifest
+
+    shipped = Path(__file__).resolve().parent.parent / "variants" / "shipped"
+    name = args.variant
+    if name is None:
+        names = sorted(p.parent.name for p in shipped.glob("*/variant.json"))
+        if not names:
+            raise TrainInputError("no --variant given and no shipped variant exists")
+        name = names[0]
+    mpath = find_variant(name, [shipped])
+    manifest = read_manifest(mpath)
+    root = mpath if mpath.is_dir() else mpath.parent
+    corpus_path = args.corpus or (Path(str(manifest.recipe["corpus"])) if manifest.recipe else None)
+    if corpus_path is None:
+        raise TrainInputError("--corpus is required (the variant records no training corpus)")
+    cfg = EvalConfig.quick() if args.quick else EvalConfig()
+    for k in ("taus", "confidences", "frontier_taus", "num_prompts", "max_new_tokens"):
+        if getattr(args, k) is not None:
+            setattr(cfg, k, getattr(args, k))
+    if any(t < 1 or t > manifest.tau_max for t in cfg.taus + cfg.frontier_taus):
+        raise TrainInputError(f"taus must lie in 1..{manifest.tau_max} (the variant's tau_max)")
+    base_name = args.model or manifest.base_model
+    variant = load_model(base_name)
+    base = load_model(base_name)
+    corpus = load_corpus(corpus_path, vocab_size=base.config.vocab_size)
+    heldout = corpus.split("heldout")
+    if not heldout:
+        raise TrainInputError(f"corpus {str(corpus_path)!r} has no held-out records")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ev = Evaluator(variant, manifest, root, base, cfg, device)
+    report = ev.run(heldout)
+    report["config"] = dataclasses.asdict(cfg)
+    report["corpus"] = {"path": str(corpus_path), "content_hash": corpus.content_hash}
+    for line in summary_lines(report):
+        print(line)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.png:
+        plot_report(report, args.png)
+    return 0

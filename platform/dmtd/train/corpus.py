@@ -45,7 +45,8 @@ class CorpusConfig(BaseModel):
     held_out_fraction: float = Field(ge=0.0, lt=1.0)
     shard_size: int = Field(ge=1, description="records per shard (one batched engine call)")
     batch_size: int = Field(ge=1, description="engine max_num_seqs (part of the config: it fixes the numerics)")
-    limit: int | None = Field(None, ge=1, description="stop after this many records")
+    limit: int | None = Field(None, ge=1, description="stop after this many records, rounded up to whole shards; "
+                              "raising it later extends the same corpus")
 
 
 class ShardInfo(BaseModel):
@@ -66,8 +67,8 @@ class CorpusManifest(BaseModel):
 
     @property
     def content_hash(self) -> str:
-        """SHA-256 over the config and the shard hashes: the corpus's identity."""
-        h = hashlib.sha256(self.config.model_dump_json().encode())
+        """SHA-256 over the config (less ``limit``) and the shard hashes: the identity of the content."""
+        h = hashlib.sha256(self.config.model_dump_json(exclude={"limit"}).encode())
         for s in self.shards:
             h.update(s.sha256.encode())
         return h.hexdigest()
@@ -134,7 +135,7 @@ def plan_records(cfg: CorpusConfig) -> list[PlannedRecord]:
             plan.append(PlannedRecord(0, p, j, t, cfg.seed * 1_000_003 + p * 101 + j, split))
     random.Random(cfg.seed).shuffle(plan)
     if cfg.limit is not None:
-        plan = plan[: cfg.limit]
+        plan = plan[: -(-cfg.limit // cfg.shard_size) * cfg.shard_size]
     for i, r in enumerate(plan):
         r.idx = i
     return plan

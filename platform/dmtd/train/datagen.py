@@ -65,18 +65,18 @@ def render_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
     tok = engine.tokenizer
     has_template = tok is not None and getattr(tok, "chat_template", None)
     if prompt and isinstance(prompt, list) and isinstance(prompt[0], int):
-        return engine.encode(prompt)  # type: ignore[arg-type]
+        return engine.encode(prompt)
     if isinstance(prompt, str):
         return engine.encode([{"role": "user", "content": prompt}] if has_template else prompt)
     if not has_template:
-        return engine.encode("\n".join(m["content"] for m in prompt))  # type: ignore[index]
-    return engine.encode(prompt)  # type: ignore[arg-type]
+        return engine.encode("\n".join(m["content"] for m in prompt if isinstance(m, dict)))
+    return engine.encode(prompt)
 
 
 def _open_or_create(out: Path, cfg: CorpusConfig, num_planned: int) -> CorpusManifest:
     if (out / CORPUS_MANIFEST).is_file():
         m = read_manifest(out)
-        if m.config != cfg:
+        if m.config.model_dump(exclude={"limit"}) != cfg.model_dump(exclude={"limit"}):
             diff = [k for k, v in cfg.model_dump().items() if m.config.model_dump().get(k) != v]
             raise CorpusError(f"{out} already holds a corpus made with a different config ({', '.join(diff)}); "
                               "use a new --out or the same settings to resume")
@@ -85,6 +85,7 @@ def _open_or_create(out: Path, cfg: CorpusConfig, num_planned: int) -> CorpusMan
             if not path.is_file() or sha256_bytes(path.read_bytes()) != s.sha256:
                 raise CorpusError(f"corpus {str(out)!r}: shard {s.name} is missing or corrupted; "
                                   "delete the corpus directory and start again")
+        m.config, m.num_planned_records, m.complete = cfg, num_planned, len(m.shards) * cfg.shard_size >= num_planned
         return m
     if out.exists() and any(out.iterdir()):
         raise CorpusError(f"{out} exists, is not empty and holds no {CORPUS_MANIFEST}")

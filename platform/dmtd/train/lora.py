@@ -62,15 +62,28 @@ class LoRAAdapters(nn.Module):
 
     def export(self, path: Path, base_fingerprint: str, dtype: torch.dtype = torch.float32) -> None:
         """Write the ``dmtd-lora-v1`` safetensors file the variant loader merges."""
-        tensors = {}
-        for i in self.layers:
-            for t in self.targets:
-                k, name = self._key(i, t), self.weight_name(i, t)
-                tensors[name + LORA_A] = self.a[k].detach().to(dtype).contiguous()
-                tensors[name + LORA_B] = self.b[k].detach().to(dtype).contiguous()
-        meta = {"format": LORA_FORMAT, "rank": str(self.rank), "alpha": str(self.alpha),
-                "base_fingerprint": base_fingerprint}
-        save_file(tensors, str(path), metadata=meta)
+        pairs = {self.weight_name(i, t): (self.a[self._key(i, t)], self.b[self._key(i, t)])
+                 for i in self.layers for t in self.targets}
+        save_adapter(path, pairs, self.rank, self.alpha, base_fingerprint, dtype)
+
+
+def save_adapter(path: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: float,
+                 base_fingerprint: str, dtype: torch.dtype = torch.float32) -> None:
+    """Write ``{weight name: (A, B)}`` as a ``dmtd-lora-v1`` file (merged as ``W + alpha/rank · A @ B``)."""
+    tensors = {}
+    for name, (a, b) in pairs.items():
+        tensors[name + LORA_A] = a.detach().to(dtype).contiguous()
+        tensors[name + LORA_B] = b.detach().to(dtype).contiguous()
+    meta = {"format": LORA_FORMAT, "rank": str(rank), "alpha": str(alpha), "base_fingerprint": base_fingerprint}
+    save_file(tensors, str(path), metadata=meta)
+
+
+@torch.no_grad()
+def low_rank_delta(trained: torch.Tensor, base: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-``rank`` approximation (truncated SVD) of ``trained - base`` as ``(A, B)`` with A @ B ≈ delta."""
+    u, s, vh = torch.linalg.svd((trained - base).double(), full_matrices=False)
+    r = min(rank, s.numel())
+    return (u[:, :r] * s[:r]).to(trained.dtype), vh[:r].to(trained.dtype)
 
 
 def parse_layers(spec: str, num_layers: int, decoding_start: int) -> list[int]:

@@ -28,6 +28,10 @@ def run(ws: list[LayerWeights], model: Transformer, h: torch.Tensor, lo: int, hi
     return h
 
 
+def _frozen_copy(w: LayerWeights) -> LayerWeights:
+    return LayerWeights._make(None if t is None else t.detach().clone() for t in w)
+
+
 class DMTDStudent(nn.Module):
     """Trainable parameters (whole layers or LoRA adapters + norms) and the forward passes that use them."""
 
@@ -55,8 +59,7 @@ class DMTDStudent(nn.Module):
         base = model.layer_weights()
         # The teacher keeps a frozen copy of every layer whose tensors training changes in place.
         changed = set(full) | set(norm_layers)
-        self.teacher_ws = [LayerWeights(*(None if t is None else t.detach().clone() for t in w)) if i in changed
-                           else w for i, w in enumerate(base)]
+        self.teacher_ws = [_frozen_copy(w) if i in changed else w for i, w in enumerate(base)]
 
     def named_trainable(self) -> dict[str, torch.Tensor]:
         """Trainable tensors by stable name (model parameter names; ``lora.a.*`` / ``lora.b.*`` for adapters)."""

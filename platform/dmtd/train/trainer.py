@@ -156,8 +156,8 @@ class Trainer:
                                        cfg.head_weight, cfg.tail_weight, total)
             loss.backward()
             agg["loss"] += float(loss.detach())
-            for k, v in stats.items():
-                agg[k] = agg.get(k, 0.0) + v / len(batches)
+            for key, v in stats.items():
+                agg[key] = agg.get(key, 0.0) + v / len(batches)
         agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), cfg.grad_clip))
         self.opt.step()
         agg["lr"] = lr_at(step, cfg)

@@ -1,0 +1,198 @@
+"""``dmtd eval``: a variant against its base model on held-out prompts.
+
+(a) teacher-forced top-1 agreement with the base at tails and heads, per τ; (b) held-out NLL under DMTD
+routing vs the base; (c) free-running greedy generations per τ, judged by the base (perplexity) and by
+token agreement with the base's own greedy continuation; (d) batch-1 tokens/s and mean block length per
+τ; (e) the quality–speed frontier over a ``min_confidence`` sweep. The untrained base with the same
+routing is the floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.llm import GenerationResult, LLMEngine
+from dmtd.engine.model import Transformer
+from dmtd.engine.sequence import SamplingParams
+from dmtd.train.corpus import Record
+from dmtd.train.metrics import teacher_forced
+from dmtd.train.student import DMTDStudent
+from dmtd.variants.build import apply_variant_weights
+from dmtd.variants.loader import LoadedModel
+from dmtd.variants.manifest import VariantManifest
+
+
+@dataclass(slots=True)
+class EvalConfig:
+    """How much to evaluate (``quick()`` is the few-minute subset)."""
+
+    taus: list[int] = field(default_factory=lambda: [2, 3, 4])
+    num_tf_records: int = 64
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    confidences: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
+    frontier_taus: list[int] = field(default_factory=lambda: [3, 4])
+    speed_prompts: int = 3
+    speed_tokens: int = 96
+    batch_size: int = 16
+    max_len: int = 512
+
+    @classmethod
+    def quick(cls) -> EvalConfig:
+        return cls(num_tf_records=16, num_prompts=8, max_new_tokens=64, confidences=[0.0, 0.5, 0.7, 0.9],
+                   frontier_taus=[3], speed_prompts=2, speed_tokens=64, batch_size=8)
+
+
+class Evaluator:
+    """Holds the variant (as a student whose teacher is the base), the floor and the base engine."""
+
+    def __init__(self, variant: LoadedModel, manifest: VariantManifest, root: Path, base: LoadedModel,
+                 cfg: EvalConfig, device: str = "cpu") -> None:
+        self.cfg, self.manifest, self.device = cfg, manifest, device
+        self.dmtd = manifest.dmtd_config()
+        # Teacher copies are taken from the untouched base; then the variant's tensors load over the student.
+        self.student = DMTDStudent(variant.model, self.dmtd, "all")
+        apply_variant_weights(variant, manifest, root)
+        variant.model.requires_grad_(False)
+        self.floor = DMTDStudent(base.model, self.dmtd, "decoding")
+        base.model.requires_grad_(False)
+        self.base, self.variant = base, variant
+        self.tokenizer = base.tokenizer
+        L = base.config.num_layers
+        self.plain = DMTDConfig.plain(L, 1)
+
+    def engine(self, model: Transformer, dmtd: DMTDConfig, batch: int) -> LLMEngine:
+        model._weights, model.lm_head_t = None, None  # noqa: SLF001 - weights changed since any earlier engine
+        return LLMEngine(model, self.tokenizer, dmtd,
+                         EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device),
+                         default_cycle_len=1)
+
+    # -- judged generations -----------------------------------------------------------------------
+    @torch.no_grad()
+    def judge_nll(self, prompts: list[list[int]], outs: list[list[int]]) -> float:
+        """Mean NLL of generated tokens under the base model (its perplexity is exp of this)."""
+        m, total, count = self.base.model, 0.0, 0
+        for a in range(0, len(prompts), self.cfg.batch_size):
+            ps, gs = prompts[a: a + self.cfg.batch_size], outs[a: a + self.cfg.batch_size]
+            seqs = [p + g for p, g in zip(ps, gs)]
+            T = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), T, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, : len(s)] = torch.tensor(s)
+            logp = F.log_softmax(m.forward_masked(ids, torch.ones_like(ids, dtype=torch.bool), self.plain).float(), -1)
+            for i, (p, g) in enumerate(zip(ps, gs)):
+                if not g:
+                    continue
+                pos = torch.arange(len(p) - 1, len(p) - 1 + len(g))
+                total -= float(logp[i, pos, torch.tensor(g)].sum())
+                count += len(g)
+        return total / max(count, 1)
+
+    def generate(self, engine: LLMEngine, prompts: list[list[int]], tau: int, conf: float = 0.0,
+                 ignore_eos: bool = False, max_new: int | None = None) -> list[GenerationResult]:
+        sp = SamplingParams(max_new_tokens=max_new or self.cfg.max_new_tokens, cycle_len=tau, min_confidence=conf,
+                            ignore_eos=ignore_eos)
+        return engine.generate(prompts, sp)
+
+    def quality(self, engine: LLMEngine, prompts: list[list[int]], tau: int, ref: list[list[int]] | None,
+                conf: float = 0.0) -> dict[str, float]:
+        res = self.generate(engine, prompts, tau, conf)
+        outs = [r.token_ids for r in res]
+        q: dict[str, float] = {"judge_ppl": math.exp(self.judge_nll(prompts, outs)),
+                               "gen_mean_block_len": sum(r.mean_block_len for r in res) / len(res)}
+        if ref is not None:
+            same = sum(sum(a == b for a, b in zip(o, r)) for o, r in zip(outs, ref))
+            q["token_agreement"] = same / max(sum(len(r) for r in ref), 1)
+            q["prefix_match"] = sum(_prefix(o, r) for o, r in zip(outs, ref)) / len(ref)
+        return q
+
+    def speed(self, engine: LLMEngine, prompts: list[list[int]], tau: int, conf: float = 0.0) -> dict[str, float]:
+        """Batch-1 decode tokens/s (prefill excluded) and mean block length."""
+        self.generate(engine, prompts[:1], tau, conf, ignore_eos=True, max_new=8)  # warm-up
+        n, t, blocks = 0, 0.0, []
+        for p in prompts[: self.cfg.speed_prompts]:
+            r = self.generate(engine, [p], tau, conf, ignore_eos=True, max_new=self.cfg.speed_tokens)[0]
+            n, t = n + len(r.token_ids) - 1, t + r.decode_time_s
+            blocks += [len(b) for b in r.blocks]
+        return {"tok_s": n / t if t > 0 else 0.0, "mean_block_len": sum(blocks) / max(len(blocks), 1)}
+
+    # -- the whole report -------------------------------------------------------------------------
+    def run(self, heldout: list[Record], progress: bool = True) -> dict[str, Any]:
+        cfg = self.cfg
+        recs = heldout[: cfg.num_tf_records]
+        seen: set[int] = set()
+        prompts: list[list[int]] = []
+        for r in heldout:
+            if r.prompt_idx not in seen and len(prompts) < cfg.num_prompts:
+                seen.add(r.prompt_idx)
+                prompts.append(r.prompt_ids)
+        steps = 3 + 3 * len(cfg.taus) + len(cfg.frontier_taus) * len(cfg.confidences)
+        bar = tqdm(total=steps, desc="dmtd eval", disable=not progress, dynamic_ncols=True)
+
+        def tick(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update(1)
+
+        report: dict[str, Any] = {"variant": self.manifest.name, "tau": {}, "floor": {"tau": {}}, "frontier": []}
+        tf_var = teacher_forced(self.student, recs, cfg.taus, cfg.batch_size, cfg.max_len)
+        tf_floor = teacher_forced(self.floor, recs, cfg.taus, cfg.batch_size, cfg.max_len)
+        tick("teacher-forced")
+        base_engine = self.engine(self.base.model, self.plain, cfg.batch_size)
+        base_out = [r.token_ids for r in self.generate(base_engine, prompts, 1)]
+        base_nll = self.judge_nll(prompts, base_out)
+        report["base"] = {"judge_ppl": math.exp(base_nll), "nll": tf_var[cfg.taus[0]]["base_nll"]}
+        tick("base greedy")
+        var_engine = self.engine(self.variant.model, self.dmtd, cfg.batch_size)
+        var_speed = self.engine(self.variant.model, self.dmtd, 1)
+        floor_engine = self.engine(self.base.model, self.dmtd, cfg.batch_size)
+        t1 = self.speed(var_speed, prompts, 1)
+        report["tau1"] = {**self.quality(var_engine, prompts, 1, base_out), **t1}
+        report["base"]["tok_s"] = t1["tok_s"]
+        tick("τ=1")
+        for tau in cfg.taus:
+            sp = self.speed(var_speed, prompts, tau)
+            report["tau"][str(tau)] = {**tf_var[tau], **self.quality(var_engine, prompts, tau, base_out), **sp,
+                                       "speedup": sp["tok_s"] / max(t1["tok_s"], 1e-9)}
+            tick(f"variant τ={tau}")
+            report["floor"]["tau"][str(tau)] = {**tf_floor[tau], **self.quality(floor_engine, prompts, tau, base_out)}
+            tick(f"floor τ={tau}")
+            tick(f"speed τ={tau}")
+        for tau in cfg.frontier_taus:
+            for c in cfg.confidences:
+                q = self.quality(var_engine, prompts, tau, base_out, c)
+                sp = self.speed(var_speed, prompts, tau, c)
+                report["frontier"].append({"tau": tau, "min_confidence": c, **q, **sp,
+                                           "speedup": sp["tok_s"] / max(t1["tok_s"], 1e-9),
+                                           "ppl_ratio": q["judge_ppl"] / report["base"]["judge_ppl"]})
+                tick(f"frontier τ={tau} c={c}")
+        bar.close()
+        report["operating_point"] = pick_operating_point(report["frontier"])
+        return report
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def pick_operating_point(frontier: list[dict[str, Any]], max_ppl_ratio: float = 1.15,
+                         min_speedup: float = 1.3) -> dict[str, Any] | None:
+    """The fastest frontier point within ``max_ppl_ratio`` of the base's judge perplexity (meets_aim says
+    whether it also reaches ``min_speedup``); None when no point is within the quality bound."""
+    ok = [p for p in frontier if p["ppl_ratio"] <= max_ppl_ratio]
+    if not ok:
+        return None
+    best = max(ok, key=lambda p: p["speedup"])
+    return {**best, "meets_aim": best["speedup"] >= min_speedup}
