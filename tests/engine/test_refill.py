@@ -96,7 +96,7 @@ def test_mixed_batch_equals_each_alone(anchor):
     solo = [tiny_engine(model, dmtd).generate([p], SamplingParams(max_new_tokens=n, cycle_len=t))[0]
             for p, t, n in zip(prompts, taus, news)]
 
-    engine = tiny_engine(model, dmtd, max_num_seqs=3)
+    engine = tiny_engine(model, dmtd, max_num_seqs=3, align_phases=False)
     rids: list[str] = []
     outs: dict[str, list[int]] = {}
     pending = list(zip(prompts, taus, news))
@@ -110,6 +110,68 @@ def test_mixed_batch_equals_each_alone(anchor):
         step += 1
     assert [outs[r] for r in rids] == [s.token_ids for s in solo]
     assert engine.scheduler.num_free_slots == 3
+
+
+def test_aligned_phases_share_head_steps_and_stay_exact():
+    """With phase alignment, rows admitted at different steps head on the same decode steps after their
+    first (shortened) cycle — and every row still equals the masked forward with its own head schedule."""
+    model = tiny_model(seed=12)
+    dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="residual_add")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (4, 13, 7, 21)]
+    engine = tiny_engine(model, dmtd, max_num_seqs=4, align_phases=True)
+    rids: list[str] = []
+    outs: dict[str, list] = {}
+    decode_steps: list[tuple[set[str], set[str]]] = []  # (rows in a decode step, rows that headed)
+    for i in range(60):
+        if prompts and i % 3 == 0:  # admit a new row every 3 steps, at different phases of the clock
+            rids.append(engine.add_request(prompts.pop(0), SamplingParams(max_new_tokens=30, cycle_len=3)))
+        step = engine.step()
+        if not step:
+            break
+        if all(o.req_id in outs for o in step):  # a decode step (a prefill's rows are new)
+            decode_steps.append(({o.req_id for o in step}, {o.req_id for o in step if o.is_head}))
+        for o in step:
+            outs.setdefault(o.req_id, []).append(o)
+    assert len(rids) == 4
+    for rid, n in zip(rids, (4, 13, 7, 21)):
+        toks, flags = [o.token_id for o in outs[rid]], [o.is_head for o in outs[rid]]
+        prompt = engine.seqs[rid].token_ids[:n] if rid in engine.seqs else None
+        assert len(toks) == 30
+        first = flags.index(True, 1)  # the first cycle is shortened to meet the shared clock, never lengthened
+        assert 1 <= first <= 3
+        assert all(f == ((i - first) % 3 == 0) for i, f in enumerate(flags) if i >= first)
+        assert prompt is None or len(prompt) == n
+    # once every row is past its first block, each decode step is a head step for all its rows or none
+    settled = decode_steps[12:]
+    assert settled and all(heads in (set(), rows) for rows, heads in settled)
+    assert sum(1 for _, heads in settled if heads) * 3 >= len(settled) - 2
+    assert engine.scheduler.num_free_slots == 4
+
+
+def test_aligned_rows_equal_masked_forward():
+    model = tiny_model(seed=13)
+    dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    engine = tiny_engine(model, dmtd, max_num_seqs=3, align_phases=True)
+    outs: dict[str, list] = {}
+
+    def collect() -> None:
+        for o in engine.step():
+            outs.setdefault(o.req_id, []).append(o)
+
+    rids = [engine.add_request(prompts[0], SamplingParams(max_new_tokens=20, cycle_len=4))]
+    collect()
+    collect()  # the later rows join two decode steps into the first row's cycle
+    rids += [engine.add_request(p, SamplingParams(max_new_tokens=20, cycle_len=4)) for p in prompts[1:]]
+    while engine.has_unfinished():
+        collect()
+    for i, (rid, prompt) in enumerate(zip(rids, prompts)):
+        toks, flags = [o.token_id for o in outs[rid]], [o.is_head for o in outs[rid]]
+        ref = reference_logits(model, dmtd, prompt, toks, flags, 4)
+        assert ref.argmax(-1).tolist() == toks
+        assert flags.index(True, 1) == (4 if i == 0 else 3)  # joined mid-clock: first cycle shortened
 
 
 def test_smollm2_refill_equivalence(smollm2):

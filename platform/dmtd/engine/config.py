@@ -176,6 +176,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_prefill_tokens: int = 4096
+    align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -93,7 +93,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, dmtd, self.cfg)
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
-                                   self.cfg.max_prefill_tokens)
+                                   self.cfg.max_prefill_tokens, self.cfg.align_phases)
         self.default_cycle_len = default_cycle_len or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -49,8 +49,13 @@ class Scheduler:
     """Admits and retires sequences at any step; one KV-cache slot per running sequence."""
 
     def __init__(self, dmtd: DMTDConfig, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int) -> None:
+                 max_prefill_tokens: int, align_phases: bool = False) -> None:
         self.dmtd = dmtd
+        # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
+        # batched tail step reads only the decoding layers' weights. A row's first cycle after its
+        # prompt, and the cycle after a confidence cut, are shortened to meet the shared clock.
+        self.align_phases = align_phases and dmtd.phase_anchor == "prompt_end"
+        self.num_decode_steps = 0
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -84,6 +89,8 @@ class Scheduler:
         """Prefill newly admitted sequences if any fit, else one decode step for every running one."""
         out = SchedulerOutput()
         budget = self.max_prefill_tokens
+        if not self.running:
+            self.num_decode_steps = 0  # idle: restart the shared clock, so a lone sequence keeps full cycles
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
             if out.prefill and seq.num_tokens > budget:
@@ -104,6 +111,8 @@ class Scheduler:
                     eos_ids: set[int]) -> list[TokenEvent]:
         """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire."""
         events = []
+        # the decode step at which this batch's positions count as processed (prefill: just before the next)
+        step = self.num_decode_steps - 1 if out.is_prefill else self.num_decode_steps
         for seq, tok, conf in zip(out.seqs, tokens, confidences):
             pos = seq.position
             if out.is_prefill:
@@ -114,6 +123,8 @@ class Scheduler:
                 if is_head:
                     seq.num_think_cached = pos + 1
                     seq.next_head_pos = self.dmtd.next_head(pos, seq.cycle_len)
+            if is_head and self.align_phases:
+                seq.next_head_pos = pos + self._steps_to_aligned_head(step, seq.cycle_len)
             seq.num_heads += is_head
             seq.num_tails += not is_head
             seq.token_ids.append(tok)
@@ -132,7 +143,15 @@ class Scheduler:
                 ev.block, ev.block_confidences = seq.block, seq.block_confidences
                 seq.block, seq.block_confidences = [], []
             events.append(ev)
+        if not out.is_prefill:
+            self.num_decode_steps += 1
         return events
+
+    @staticmethod
+    def _steps_to_aligned_head(step: int, tau: int) -> int:
+        """Steps from ``step`` to the next shared head step (those with ``(s + 1) % tau == 0``), in 1..tau."""
+        k = -(step + 1) % tau
+        return k or tau
 
     def _stop_reason(self, seq: Sequence, tok: int, eos_ids: set[int]) -> str | None:
         if tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in eos_ids):
