@@ -25,7 +25,7 @@ from dmtd.engine.sequence import SamplingParams
 from dmtd.train.corpus import Record
 from dmtd.train.metrics import teacher_forced
 from dmtd.train.student import DMTDStudent
-from dmtd.variants.build import apply_variant_weights
+from dmtd.variants.build import apply_variant_weights, check_fits_base
 from dmtd.variants.loader import LoadedModel
 from dmtd.variants.manifest import VariantManifest
 
@@ -58,6 +58,7 @@ class Evaluator:
                  cfg: EvalConfig, device: str = "cpu") -> None:
         self.cfg, self.manifest, self.device = cfg, manifest, device
         self.dmtd = manifest.dmtd_config()
+        check_fits_base(variant, manifest)
         # Teacher copies are taken from the untouched base; then the variant's tensors load over the student.
         self.student = DMTDStudent(variant.model, self.dmtd, "all")
         apply_variant_weights(variant, manifest, root)

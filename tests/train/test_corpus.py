@@ -1,0 +1,110 @@
+"""Corpus generation: deterministic, resumable, hashed, split by prompt; the built-in prompt set."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.llm import LLMEngine
+from dmtd.train.corpus import CorpusError, load_corpus, plan_records, read_manifest
+from dmtd.train.datagen import load_user_prompts, make_corpus
+from dmtd.train.prompts import builtin_prompts
+from dmtd.variants.loader import load_model
+from tests.train.helpers import corpus_config, tiny_corpus, tiny_prompts
+
+
+def test_same_config_same_bytes_and_hash(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
+    again = tiny_corpus(tiny_dir, tmp_path / "again")
+    first = read_manifest(tiny_corpus_dir)
+    assert again.content_hash == first.content_hash and again.complete
+    assert [s.sha256 for s in again.shards] == [s.sha256 for s in first.shards]
+    corpus = load_corpus(tiny_corpus_dir)
+    assert len(corpus.records) == 24 and corpus.manifest.num_tokens == sum(r.num_tokens for r in corpus.records)
+    # greedy and sampled completions, the first sample of each prompt greedy
+    assert {r.temperature for r in corpus.records} == {0.0, 1.0}
+    assert all(len(r.completion_ids) == 20 for r in corpus.records)
+
+
+def test_interrupted_generation_resumes_to_the_same_corpus(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
+    loaded = load_model(tiny_dir, tokenizer=False)
+    engine = LLMEngine(loaded.model, None, DMTDConfig.plain(6, 1), EngineConfig(max_num_seqs=4, max_model_len=128),
+                       default_cycle_len=1, eos_token_ids=[])
+    prompts = tiny_prompts(12)
+    cfg = corpus_config(tiny_dir, prompts)
+
+    def die(k: int) -> None:
+        if k == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        make_corpus(tmp_path / "c", engine, prompts, cfg, progress=False, on_shard=die)
+    partial = read_manifest(tmp_path / "c")
+    assert len(partial.shards) == 2 and not partial.complete
+    assert len(load_corpus(tmp_path / "c").records) == 12  # a finished prefix is usable
+    with pytest.raises(CorpusError, match="incomplete"):
+        load_corpus(tmp_path / "c", require_complete=True)
+    done = make_corpus(tmp_path / "c", engine, prompts, cfg, progress=False)
+    assert done.content_hash == read_manifest(tiny_corpus_dir).content_hash
+    with pytest.raises(CorpusError, match="different config.*max_new_tokens"):
+        make_corpus(tmp_path / "c", engine, prompts, corpus_config(tiny_dir, prompts, max_new_tokens=9),
+                    progress=False)
+
+
+def test_limit_grows_the_same_corpus(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
+    small = tiny_corpus(tiny_dir, tmp_path / "c", limit=7)  # rounds up to whole shards of 6
+    assert sum(s.num_records for s in small.shards) == 12
+    grown = tiny_corpus(tiny_dir, tmp_path / "c")
+    assert grown.content_hash == read_manifest(tiny_corpus_dir).content_hash
+
+
+def test_held_out_split_is_by_prompt(tiny_dir: Path):
+    cfg = corpus_config(tiny_dir, tiny_prompts(200), samples_per_prompt=3, held_out_fraction=0.1)
+    plan = plan_records(cfg)
+    splits: dict[int, set[str]] = {}
+    for r in plan:
+        splits.setdefault(r.prompt_idx, set()).add(r.split)
+    assert all(len(s) == 1 for s in splits.values())
+    held = sum("heldout" in s for s in splits.values())
+    assert 8 <= held <= 35
+    assert sorted(r.idx for r in plan) == list(range(600))
+    assert Counter(r.temperature for r in plan) == {0.0: 200, 1.0: 400}
+
+
+def test_corrupted_or_missing_corpus_is_refused(tiny_corpus_dir: Path, tmp_path: Path):
+    import shutil
+
+    with pytest.raises(CorpusError, match="not found"):
+        load_corpus(tmp_path / "nope")
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_corpus_dir, bad)
+    shard = bad / "shard-00001.jsonl"
+    shard.write_bytes(shard.read_bytes().replace(b'"idx":', b'"idx" :', 1))
+    with pytest.raises(CorpusError, match="shard-00001.jsonl is corrupted"):
+        load_corpus(bad)
+    (bad / "corpus.json").write_text("{not json")
+    with pytest.raises(CorpusError, match="corrupted corpus manifest"):
+        load_corpus(bad)
+    with pytest.raises(CorpusError, match="outside the base model's vocabulary"):
+        load_corpus(tiny_corpus_dir, vocab_size=10)
+
+
+def test_builtin_prompts_are_many_varied_and_stable():
+    p = builtin_prompts()
+    assert len(p) >= 900 and len(set(p)) == len(p)
+    assert p == builtin_prompts()
+    starts = Counter(x.split()[0] for x in p)
+    assert {"Write", "What", "Explain", "List", "Give"} <= set(starts)
+    assert any("def " in x for x in p) and any(x.endswith("?") for x in p)
+
+
+def test_user_prompt_files(tmp_path: Path):
+    (tmp_path / "p.txt").write_text("first\n\nsecond line\n")
+    assert load_user_prompts(tmp_path / "p.txt") == ["first", "second line"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    assert load_user_prompts(tmp_path / "p.jsonl") == ["a", [{"role": "user", "content": "b"}]]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(CorpusError, match="bad.jsonl:1"):
+        load_user_prompts(tmp_path / "bad.jsonl")
