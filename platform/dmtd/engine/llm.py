@@ -132,7 +132,7 @@ class LLMEngine:
         self._detok[req_id] = Detokenizer(self.tokenizer) if self.tokenizer is not None else None  # type: ignore
         gen = None
         if not params.greedy:
-            gen = torch.Generator(device="cpu")
+            gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self._gens[req_id] = gen
         return req_id

@@ -1,0 +1,267 @@
+"""A DMTD replica: one engine, an asyncio loop driving continuous batching, one block per cycle per request.
+
+``DMTDReplica`` is a plain class (the app builder wraps it with ``serve.deployment``), so tests construct it
+directly with a small engine. The engine is not thread-safe: only the loop task touches it, between steps;
+each step runs in a one-thread executor so the event loop keeps serving while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from dmtd.engine.llm import LLMEngine, StepOutput
+from dmtd.engine.sequence import RequestError, SamplingParams
+from dmtd.serve.controller import ControllerConfig, TauController
+from dmtd.serve.requests import ReplicaRequest
+
+log = logging.getLogger("dmtd.replica")
+
+
+class Overloaded(RuntimeError):
+    """The replica's queue is full; retry after ``retry_after_ms``."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(f"replica queue is full; retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+class RequestFailed(RuntimeError):
+    """A request was rejected by the engine (bad input the gateway could not see, e.g. prompt length)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+
+
+@dataclass
+class _Live:
+    req: ReplicaRequest
+    queue: asyncio.Queue[dict[str, Any] | BaseException]
+    tau_lo: int
+    tau_hi: int
+    fixed_confidence: bool
+    text: list[str] = field(default_factory=list)
+    block_index: int = 0
+    num_tokens: int = 0
+    num_heads: int = 0
+    prompt_tokens: int = 0
+    t_admit: float = 0.0
+    t_last: float = 0.0
+
+
+class EngineLoop:
+    """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
+
+    def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str) -> None:
+        self.engine, self.controller = engine, controller
+        self.max_queued, self.replica_name = max_queued, replica_name
+        self.live: dict[str, _Live] = {}
+        self._adds: list[str] = []
+        self._aborts: set[str] = set()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
+        self._task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+
+    # -- bookkeeping visible to tests and metrics ----------------------------------------------
+    @property
+    def num_active(self) -> int:
+        return len(self.live)
+
+    def stats(self) -> dict[str, Any]:
+        d = self.controller.decision
+        return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
+                "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
+                "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name}
+
+    # -- requests ------------------------------------------------------------------------------
+    def _bounds(self, req: ReplicaRequest) -> tuple[int, int]:
+        c = self.controller.cfg
+        lo, hi = c.tau_min, c.tau_max
+        if req.profile == "quality":
+            hi = max(lo, min(hi, c.rest_tau - 1))
+        elif req.profile == "speed":
+            lo = min(hi, max(lo, c.rest_tau + 1))
+        if req.tau_min:
+            lo = min(max(lo, req.tau_min), hi)
+        if req.tau_max:
+            hi = max(min(hi, req.tau_max), lo)
+        return lo, hi
+
+    async def submit(self, req: ReplicaRequest) -> AsyncIterator[dict[str, Any]]:
+        """Queue a request and yield its blocks; cancelling the iteration frees its slot."""
+        if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
+            raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
+        if req.request_id in self.live:
+            raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
+        lo, hi = self._bounds(req)
+        live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
+        self.live[req.request_id] = live
+        self._adds.append(req.request_id)
+        self._ensure_task()
+        self._wake.set()
+        try:
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.get("finish_reason"):
+                    return
+        finally:
+            if self.live.pop(req.request_id, None) is not None:
+                # cancelled or failed mid-stream: the engine frees the slot before its next step
+                self._aborts.add(req.request_id)
+                self._wake.set()
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _admit(self, rid: str) -> None:
+        live = self.live.get(rid)
+        if live is None:
+            return
+        r = live.req
+        d = self.controller.decision
+        tau = max(live.tau_lo, min(live.tau_hi, d.tau))
+        conf = r.min_confidence if r.min_confidence is not None else d.min_confidence
+        try:
+            params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
+                                    max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
+                                    stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf)
+            prompt: Any = r.messages or r.prompt_token_ids or r.prompt
+            self.engine.add_request(prompt, params, req_id=rid)
+        except RequestError as e:
+            self.live.pop(rid, None)
+            live.queue.put_nowait(RequestFailed(e.field, str(e)))
+            return
+        live.prompt_tokens = self.engine.seqs[rid].prompt_len
+        live.t_admit = live.t_last = time.perf_counter()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for rid in self._aborts:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            self._aborts.clear()
+            adds, self._adds = self._adds, []
+            for rid in adds:
+                self._admit(rid)
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as e:  # an engine bug must not hang every stream
+                log.exception("engine step failed")
+                for rid, live in list(self.live.items()):
+                    live.queue.put_nowait(RuntimeError(f"engine step failed: {e}"))
+                    self._aborts.add(rid)
+                continue
+            self.num_steps += 1
+            now = time.perf_counter()
+            for o in outputs:
+                self._dispatch(o, now)
+            self._apply_controller()
+
+    def _dispatch(self, o: StepOutput, now: float) -> None:
+        live = self.live.get(o.req_id)
+        if live is None:
+            return
+        live.text.append(o.text_delta)
+        if o.token_id >= 0:
+            live.num_tokens += 1
+            live.num_heads += o.is_head
+        if not o.block and not o.finished:
+            return
+        tokens = list(o.block or [])
+        confs = list(o.block_confidences or []) or [0.0]
+        interval_ms = (now - live.t_last) * 1e3
+        if live.block_index > 0 and tokens:
+            self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
+        block: dict[str, Any] = {
+            "request_id": o.req_id, "token_ids": tokens, "text": "".join(live.text), "block_index": live.block_index,
+            "k": len(tokens), "tau": o.cycle_len, "min_confidence": self.engine.seqs[o.req_id].params.min_confidence
+            if o.req_id in self.engine.seqs else 0.0,
+            "confidence": (min(confs), sum(confs) / len(confs), max(confs)),
+            "block_ms": interval_ms, "replica": self.replica_name,
+            "queue_ms": (live.t_admit - live.req.arrival_s) * 1e3 if live.block_index == 0 else 0.0,
+        }
+        live.text, live.t_last = [], now
+        live.block_index += 1
+        if o.finished:
+            seq = self.engine.seqs.get(o.req_id)
+            block["finish_reason"] = o.finish_reason or "stop"
+            block["error"] = o.error
+            block["usage"] = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.num_tokens,
+                              "blocks": live.block_index, "heads": live.num_heads,
+                              "cycles_cut": seq.num_cycles_cut if seq else 0}
+            self.engine.release(o.req_id)
+            self.live.pop(o.req_id, None)
+        live.queue.put_nowait(block)
+
+    def _apply_controller(self) -> None:
+        d = self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)
+        for rid, live in self.live.items():
+            seq = self.engine.seqs.get(rid)
+            if seq is None:
+                continue
+            tau = max(live.tau_lo, min(live.tau_hi, d.tau))
+            if seq.cycle_len != tau:
+                self.engine.set_cycle_len(rid, tau)
+            if not live.fixed_confidence:
+                seq.params.min_confidence = d.min_confidence
+
+    def reconfigure(self, cfg: ControllerConfig) -> None:
+        self.controller.reconfigure(cfg)
+        for live in self.live.values():
+            live.tau_lo, live.tau_hi = self._bounds(live.req)
+
+
+EngineFactory = Callable[[], tuple[LLMEngine, ControllerConfig]]
+
+
+class DMTDReplica:
+    """Hosts one engine. ``generate`` is an async generator of block dicts (one per completed cycle)."""
+
+    def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None) -> None:
+        engine, cfg = engine_factory()
+        self.name = name or f"replica-{os.getpid()}"
+        self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name)
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
+        async with contextlib.aclosing(self.loop.submit(ReplicaRequest(**request))) as blocks:
+            async for block in blocks:
+                yield block
+
+    async def stats(self) -> dict[str, Any]:
+        return self.loop.stats()
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve ``user_config``: τ bounds and gate from the operator or the registry; no restart."""
+        c = self.loop.controller.cfg
+        new = ControllerConfig(
+            tau_min=int(user_config.get("tau_min", c.tau_min)), tau_max=int(user_config.get("tau_max", c.tau_max)),
+            rest_tau=int(user_config.get("default_tau", c.rest_tau)),
+            rest_min_confidence=float(user_config.get("min_confidence", c.rest_min_confidence)),
+            pressure_min_confidence=float(user_config.get("pressure_min_confidence", c.pressure_min_confidence)),
+            itl_slo_ms=float(user_config.get("itl_slo_ms", c.itl_slo_ms)), max_batch=c.max_batch,
+            window=c.window, hold_steps=c.hold_steps,
+        )
+        variant_max = self.loop.engine.dmtd.tau_max
+        new.tau_max = max(1, min(new.tau_max, variant_max))
+        new.tau_min = max(1, min(new.tau_min, new.tau_max))
+        self.loop.reconfigure(new)

@@ -1,0 +1,214 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CycleProfile(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CYCLE_PROFILE_UNSPECIFIED: _ClassVar[CycleProfile]
+    CYCLE_PROFILE_QUALITY: _ClassVar[CycleProfile]
+    CYCLE_PROFILE_BALANCED: _ClassVar[CycleProfile]
+    CYCLE_PROFILE_SPEED: _ClassVar[CycleProfile]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+CYCLE_PROFILE_UNSPECIFIED: CycleProfile
+CYCLE_PROFILE_QUALITY: CycleProfile
+CYCLE_PROFILE_BALANCED: CycleProfile
+CYCLE_PROFILE_SPEED: CycleProfile
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CyclePreferences(_message.Message):
+    __slots__ = ("tau_min", "tau_max", "min_confidence", "profile")
+    TAU_MIN_FIELD_NUMBER: _ClassVar[int]
+    TAU_MAX_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    tau_min: int
+    tau_max: int
+    min_confidence: float
+    profile: CycleProfile
+    def __init__(self, tau_min: _Optional[int] = ..., tau_max: _Optional[int] = ..., min_confidence: _Optional[float] = ..., profile: _Optional[_Union[CycleProfile, str]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "chat", "variant", "sampling", "max_new_tokens", "stop", "stop_token_ids", "cycle", "min_block_tokens", "flush_interval_ms", "ignore_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    chat: ChatMessages
+    variant: str
+    sampling: SamplingOptions
+    max_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cycle: CyclePreferences
+    min_block_tokens: int
+    flush_interval_ms: int
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., variant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cycle: _Optional[_Union[CyclePreferences, _Mapping]] = ..., min_block_tokens: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class ConfidenceSummary(_message.Message):
+    __slots__ = ("min", "mean", "max")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    min: float
+    mean: float
+    max: float
+    def __init__(self, min: _Optional[float] = ..., mean: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("ttft_ms", "block_ms", "queue_ms")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    block_ms: float
+    queue_ms: float
+    def __init__(self, ttft_ms: _Optional[float] = ..., block_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "blocks", "heads", "cycles_cut")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    CYCLES_CUT_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    blocks: int
+    heads: int
+    cycles_cut: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., heads: _Optional[int] = ..., cycles_cut: _Optional[int] = ...) -> None: ...
+
+class TokenBlock(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "block_index", "k", "tau", "min_confidence", "confidence", "timings", "finish_reason", "usage", "variant", "replica")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    block_index: int
+    k: int
+    tau: int
+    min_confidence: float
+    confidence: ConfidenceSummary
+    timings: Timings
+    finish_reason: FinishReason
+    usage: Usage
+    variant: str
+    replica: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., block_index: _Optional[int] = ..., k: _Optional[int] = ..., tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., confidence: _Optional[_Union[ConfidenceSummary, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., variant: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class VariantInfo(_message.Message):
+    __slots__ = ("name", "base_model", "status", "traffic_weight", "tau_min", "tau_max", "default_tau", "min_confidence", "num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "phase_anchor", "head_input", "revision", "is_default")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TAU_MIN_FIELD_NUMBER: _ClassVar[int]
+    TAU_MAX_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TAU_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODING_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_THINKING_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODING_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    HEAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_model: str
+    status: str
+    traffic_weight: float
+    tau_min: int
+    tau_max: int
+    default_tau: int
+    min_confidence: float
+    num_encoding_layers: int
+    num_thinking_layers: int
+    num_decoding_layers: int
+    phase_anchor: str
+    head_input: str
+    revision: int
+    is_default: bool
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., status: _Optional[str] = ..., traffic_weight: _Optional[float] = ..., tau_min: _Optional[int] = ..., tau_max: _Optional[int] = ..., default_tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., num_encoding_layers: _Optional[int] = ..., num_thinking_layers: _Optional[int] = ..., num_decoding_layers: _Optional[int] = ..., phase_anchor: _Optional[str] = ..., head_input: _Optional[str] = ..., revision: _Optional[int] = ..., is_default: _Optional[bool] = ...) -> None: ...
+
+class ListVariantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVariantsResponse(_message.Message):
+    __slots__ = ("variants", "registry_revision")
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_REVISION_FIELD_NUMBER: _ClassVar[int]
+    variants: _containers.RepeatedCompositeFieldContainer[VariantInfo]
+    registry_revision: int
+    def __init__(self, variants: _Optional[_Iterable[_Union[VariantInfo, _Mapping]]] = ..., registry_revision: _Optional[int] = ...) -> None: ...
+
+class GetVariantRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...

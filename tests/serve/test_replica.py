@@ -1,0 +1,108 @@
+"""The replica's engine loop without Ray: blocks, cancellation, backpressure, the controller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dmtd.engine.config import DMTDConfig
+from dmtd.engine.sequence import SamplingParams
+from dmtd.serve.controller import ControllerConfig, TauController
+from dmtd.serve.replica import DMTDReplica, Overloaded, RequestFailed
+from tests.conftest import tiny_engine, tiny_model
+
+DMTD = DMTDConfig(0, 4, 2, tau_max=4)
+
+
+def make_replica(max_num_seqs: int = 4, max_queued: int = 2, rest_tau: int = 3) -> DMTDReplica:
+    model = tiny_model(seed=21)
+    cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=rest_tau, max_batch=max_num_seqs, hold_steps=10**9)
+    return DMTDReplica(lambda: (tiny_engine(model, DMTD, max_num_seqs=max_num_seqs), cfg), max_queued=max_queued,
+                       name="r0")
+
+
+def req(rid: str, n: int = 20, **kw) -> dict:
+    return {"request_id": rid, "prompt_token_ids": [1, 2, 3, 4, 5], "max_new_tokens": n, **kw}
+
+
+async def collect(rep: DMTDReplica, r: dict) -> list[dict]:
+    return [b async for b in rep.generate(r)]
+
+
+def test_blocks_carry_the_engines_tokens():
+    rep = make_replica()
+    blocks = asyncio.run(collect(rep, req("a", 20)))
+    solo = tiny_engine(tiny_model(seed=21), DMTD).generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=20,
+                                                                                             cycle_len=3))[0]
+    assert [t for b in blocks for t in b["token_ids"]] == solo.token_ids
+    assert [b["k"] for b in blocks] == [len(x) for x in solo.blocks] and all(b["tau"] == 3 for b in blocks)
+    assert [b["block_index"] for b in blocks] == list(range(len(blocks)))
+    last = blocks[-1]
+    assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 20
+    assert last["usage"]["blocks"] == len(blocks) and last["usage"]["prompt_tokens"] == 5
+
+
+def test_concurrent_streams_and_cancel_frees_slot():
+    rep = make_replica(max_num_seqs=4)
+
+    async def scenario():
+        streams = [asyncio.create_task(collect(rep, req(f"r{i}", 16))) for i in range(3)]
+
+        async def cancel_after_two():
+            got = 0
+            async for _ in rep.generate(req("victim", 200)):
+                got += 1
+                if got == 2:
+                    break
+            return got
+
+        got = await cancel_after_two()
+        results = await asyncio.gather(*streams)
+        for _ in range(50):
+            if (await rep.stats())["active"] == 0 and rep.loop.engine.scheduler.num_free_slots == 4:
+                break
+            await asyncio.sleep(0.01)
+        return got, results, await rep.stats()
+
+    got, results, stats = asyncio.run(scenario())
+    assert got == 2
+    assert all(sum(b["k"] for b in r) == 16 for r in results)
+    assert stats["active"] == 0 and stats["free_slots"] == 4
+
+
+def test_overload_and_bad_requests():
+    rep = make_replica(max_num_seqs=1, max_queued=1)
+
+    async def scenario():
+        first = rep.generate(req("a", 50))
+        await first.__anext__()
+        second = asyncio.create_task(collect(rep, req("b", 5)))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as e:
+            await collect(rep, req("c", 5))
+        assert e.value.retry_after_ms > 0
+        await first.aclose()  # frees a place
+        with pytest.raises(RequestFailed) as bad:
+            await collect(rep, {**req("d", 5), "prompt_token_ids": [1] * 300})
+        assert bad.value.field == "prompt" and "context" in str(bad.value)
+        return await second
+
+    assert sum(b["k"] for b in asyncio.run(scenario())) == 5
+
+
+def test_controller_raises_tau_under_pressure_and_returns_at_headroom():
+    c = TauController(ControllerConfig(tau_min=1, tau_max=4, rest_tau=2, itl_slo_ms=50, max_batch=8, hold_steps=1))
+    assert c.decision.tau == 2
+    for _ in range(3):
+        d = c.observe_load(queue_depth=5, batch_size=8)
+    assert d.tau == 4 and "queued" in d.reason
+    for _ in range(100):
+        c.observe_block(3, 3, 30.0)  # 10 ms per token: far below the SLO
+    for _ in range(5):
+        d = c.observe_load(queue_depth=0, batch_size=1)
+    assert d.tau == 2 and "headroom" in d.reason
+    for _ in range(300):
+        c.observe_block(1, 4, 60.0)  # blocks cut to 1 of 4: raising τ would not help
+    d = c.observe_load(queue_depth=3, batch_size=8)
+    assert d.tau == 2 and "full" in d.reason
