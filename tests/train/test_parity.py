@@ -71,3 +71,26 @@ def test_untrained_student_is_the_engine_forward_masked(tiny_dir: Path, tiny_cor
     with torch.no_grad():
         ref = trainer.loaded.model.forward_masked(ids, mask, trainer.dmtd)
     assert torch.equal(trainer.student.masked_logits(ids, mask), ref)
+
+
+def test_phase_aligned_batches_match_the_jittered_training_routing(tiny_dir: Path, tiny_corpus_dir: Path,
+                                                                   tmp_path: Path):
+    """Batched serving shortens a row's first cycle to a shared clock; training's ``first_cycle`` covers it."""
+    cfg = train_config(tiny_dir, tiny_corpus_dir, max_steps=3, phase_jitter=True)
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    trainer.run()
+    export_variant(trainer.student, cfg, tmp_path / "v", trainer.fingerprint, trainer.corpus.content_hash)
+    engine = build_engine(engine_spec(str(tiny_dir), str(tmp_path / "v")), EngineConfig(max_num_seqs=2))
+    prompts = tiny_prompts(3, seed=2)
+    params = [SamplingParams(max_new_tokens=n, cycle_len=3, ignore_eos=True) for n in (5, 16, 16)]
+    results = engine.generate(prompts, params)  # the third row joins mid-flight, off the shared clock
+    firsts = []
+    for p, res in zip(prompts, results):
+        first = next(i for i, h in enumerate(res.head_flags[1:], 1) if h)
+        firsts.append(first)
+        flags = head_flags(trainer.dmtd, len(p), len(p) + len(res.token_ids) - 1, 3, first)
+        assert flags[len(p) - 1:] == res.head_flags
+        ids = torch.tensor([p + res.token_ids[:-1]])
+        ref = trainer.student.masked_logits(ids, torch.tensor([flags]))[0, len(p) - 1:]
+        assert ref.argmax(-1).tolist() == res.token_ids
+    assert firsts[2] < 3  # the late row's first cycle was shortened

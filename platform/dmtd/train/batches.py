@@ -71,13 +71,19 @@ class DataOrder:
         return self._batches[k]
 
 
-def draw_taus(seed: int, index: int, n: int, tau_min: int, tau_max: int) -> list[int]:
-    """Per-sequence cycle lengths for micro-batch ``index`` (uniform on ``tau_min..tau_max``)."""
+def draw_routing(seed: int, index: int, n: int, tau_min: int, tau_max: int,
+                 phase_jitter: bool) -> tuple[list[int], list[int]]:
+    """Per-sequence cycle lengths (uniform on ``tau_min..tau_max``) and first-cycle lengths (uniform on
+    ``1..τ`` with ``phase_jitter``, else τ) for micro-batch ``index``."""
     g = torch.Generator().manual_seed(seed * 104729 + index + 1)
-    return torch.randint(tau_min, tau_max + 1, (n,), generator=g).tolist()
+    taus = torch.randint(tau_min, tau_max + 1, (n,), generator=g).tolist()
+    u = torch.rand(n, generator=g).tolist()
+    firsts = [1 + int(x * t) if phase_jitter else t for x, t in zip(u, taus)]
+    return taus, firsts
 
 
-def make_batch(records: list[Record], taus: list[int], dmtd: DMTDConfig, max_len: int) -> Batch:
+def make_batch(records: list[Record], taus: list[int], dmtd: DMTDConfig, max_len: int,
+               first_cycles: list[int] | None = None) -> Batch:
     """Pad prompt + continuation (truncated to ``max_len``) and mark heads and loss positions."""
     seqs = [(r.prompt_ids + r.completion_ids)[:max_len] for r in records]
     T = max(len(s) for s in seqs)
@@ -89,7 +95,7 @@ def make_batch(records: list[Record], taus: list[int], dmtd: DMTDConfig, max_len
     for b, (r, s, tau) in enumerate(zip(records, seqs, taus)):
         n, p = len(s), min(len(r.prompt_ids), len(s))
         ids[b, :n] = torch.tensor(s)
-        heads[b, :n] = torch.tensor(head_flags(dmtd, p, n, tau))
+        heads[b, :n] = torch.tensor(head_flags(dmtd, p, n, tau, first_cycles[b] if first_cycles else None))
         targets[b, : n - 1] = ids[b, 1:n]
         loss[b, p - 1: n - 1] = True
     return Batch(ids, heads, loss, targets, list(taus), [len(s) for s in seqs])

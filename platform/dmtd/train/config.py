@@ -24,6 +24,8 @@ class TrainConfig(BaseModel):
     head_input: Literal["residual_add", "replace"] = "replace"
     tau_min: int = Field(2, ge=1, description="τ is drawn per sequence from tau_min..tau_max (equal = fixed τ)")
     tau_max: int = Field(4, ge=1, le=16)
+    phase_jitter: bool = Field(True, description="draw the first cycle after the prompt from 1..τ, as the "
+                               "engine's phase-aligned batches shorten it")
     scope: Literal["decoding", "all", "lora"] = Field("decoding", description="what trains: the decoding "
                                                       "layers, all layers, or LoRA adapters on lora_layers")
     lora_layers: str = Field("decoding", description="'decoding', 'all' or indices like '18-29'")

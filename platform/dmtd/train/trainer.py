@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from dmtd.engine.config import ConfigError, DMTDConfig
-from dmtd.train.batches import DataOrder, draw_taus, make_batch
+from dmtd.train.batches import DataOrder, draw_routing, make_batch
 from dmtd.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from dmtd.train.config import RESUMABLE_CHANGES, TrainConfig
 from dmtd.train.corpus import Corpus, CorpusError, load_corpus
@@ -142,8 +142,8 @@ class Trainer:
         for k in range(cfg.grad_accum):
             idx = step * cfg.grad_accum + k
             recs = [self.train_records[i] for i in self.order.micro_batch(idx)]
-            taus = draw_taus(cfg.seed, idx, len(recs), cfg.tau_min, cfg.tau_max)
-            batches.append(make_batch(recs, taus, self.dmtd, cfg.max_len))
+            taus, firsts = draw_routing(cfg.seed, idx, len(recs), cfg.tau_min, cfg.tau_max, cfg.phase_jitter)
+            batches.append(make_batch(recs, taus, self.dmtd, cfg.max_len, firsts))
         total = sum(batch_weight(b, cfg.head_weight, cfg.tail_weight) for b in batches) or 1.0
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
