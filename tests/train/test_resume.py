@@ -61,3 +61,16 @@ def test_schedule_warms_up_then_decays_to_the_floor(tiny_dir: Path, tiny_corpus_
     assert lrs[0] == pytest.approx(2.5e-4) and lrs[3] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
     assert lrs[20] == pytest.approx(1e-4)
+
+
+def test_init_from_starts_a_new_run_from_trained_weights(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
+    first = Trainer(train_config(tiny_dir, tiny_corpus_dir, max_steps=2), tmp_path / "a", progress=False)
+    first.run()
+    cont = Trainer(train_config(tiny_dir, tiny_corpus_dir, max_steps=2, init_from=str(tmp_path / "a" /
+                                                                                     "ckpt-000002.pt")),
+                   tmp_path / "b", progress=False)
+    assert cont.state.step == 0
+    assert all(torch.equal(p, first.params[n]) for n, p in cont.params.items())
+    with pytest.raises(CheckpointError, match="lacks"):
+        Trainer(train_config(tiny_dir, tiny_corpus_dir, num_decoding_layers=3,
+                             init_from=str(tmp_path / "a" / "ckpt-000002.pt")), tmp_path / "c", progress=False)

@@ -53,6 +53,8 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = Field(3, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between held-out agreement checks (0 = off)")
     eval_records: int = Field(16, ge=1)
+    init_from: str | None = Field(None, description="start from the trained tensors of this checkpoint "
+                                  "(e.g. to continue a run on a grown corpus); optimizer and step start fresh")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's default)")
 
     @model_validator(mode="after")

@@ -94,6 +94,8 @@ class Trainer:
         self.state = TrainState()
         if ckpt is not None:
             self._restore(ckpt)
+        elif cfg.init_from is not None:
+            self._init_from(Path(cfg.init_from).expanduser())
 
     # -- inputs -----------------------------------------------------------------------------------
     def _open_corpus(self) -> Corpus:
@@ -134,6 +136,20 @@ class Trainer:
         self.opt.load_state_dict(ckpt["optimizer"])
         self.state = TrainState(int(ckpt["step"]), int(ckpt.get("tokens_seen", 0)),
                                 float(ckpt.get("elapsed_s", 0.0)), dict(ckpt.get("last", {})))
+
+    def _init_from(self, path: Path) -> None:
+        src = load_checkpoint(path)
+        if src["base_fingerprint"] != self.fingerprint:
+            raise CheckpointError(f"--init-from {path}: trained from another base model")
+        missing = sorted(set(self.params) - set(src["trainable"]))
+        if missing:
+            raise CheckpointError(f"--init-from {path}: lacks {len(missing)} of this run's trainable tensors "
+                                  f"(first: {missing[0]}); was it trained with another scope or split?")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                if src["trainable"][n].shape != p.shape:
+                    raise CheckpointError(f"--init-from {path}: tensor {n} has another shape")
+                p.copy_(src["trainable"][n])
 
     # -- the loop ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
