@@ -50,6 +50,8 @@ def test_data_train_eval_generate(chat_model: Path, tmp_path: Path):
     assert m["adapter"] == "adapter.safetensors" and m["default_tau"] == 3 and m["min_confidence"] == 0.5
     assert m["data_hash"] == manifest_hash(corpus) and m["recipe"]["steps"] == 4
 
+    assert (variant / "heldout.jsonl").is_file() and m["heldout"] == "heldout.jsonl"
+    corpus.rename(tmp_path / "moved")  # eval then runs on the held-out sample the variant carries
     report = tmp_path / "eval.json"
     r = dmtd("eval", "--variant", str(variant), "--quick", "--json", str(report), "--png", str(tmp_path / "e.png"))
     assert r.returncode == 0, r.stderr
@@ -57,6 +59,7 @@ def test_data_train_eval_generate(chat_model: Path, tmp_path: Path):
     assert set(rep["tau"]) == {"2", "3", "4"}
     for v in rep["tau"].values():
         assert 0 <= v["tail_agreement"] <= 1 and v["judge_ppl"] > 0 and v["tok_s"] > 0
+    assert rep["corpus"]["path"].endswith("heldout.jsonl") and rep["corpus"]["content_hash"] == m["data_hash"]
     assert rep["base"]["judge_ppl"] > 0 and set(rep["floor"]["tau"]) == {"2", "3", "4"}
     assert [p["min_confidence"] for p in rep["frontier"]] == [0.0, 0.5, 0.7, 0.9]
     assert (tmp_path / "e.png").stat().st_size > 10_000

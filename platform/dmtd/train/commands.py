@@ -112,7 +112,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     for name, f in TrainConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         typ, choices = _type_of(f.annotation)
-        help_ = f"{f.description or ''} (default {f.get_default(call_default_factory=True)!r})"
+        default = "required for a new run" if f.is_required() else \
+            f"default {f.get_default(call_default_factory=True)!r}"
+        help_ = f"{f.description or ''} ({default})"
         if typ is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typ is None:
@@ -130,6 +132,9 @@ def train_config_from_args(args: argparse.Namespace, run_dir: Path | None) -> tu
     from dmtd.variants.smollm2 import cache_dir
 
     given = {k: getattr(args, k) for k in TrainConfig.model_fields if getattr(args, k, None) is not None}
+    for key in ("corpus", "init_from"):
+        if isinstance(given.get(key), str):
+            given[key] = str(Path(given[key]).expanduser().resolve())
     if isinstance(given.get("lora_targets"), str):
         given["lora_targets"] = [t for t in given["lora_targets"].split(",") if t]
     name = given.get("name", TrainConfig.model_fields["name"].default)
@@ -153,7 +158,7 @@ def run_train(args: argparse.Namespace) -> int:
     import torch
 
     from dmtd.train.config import TrainConfig
-    from dmtd.train.export import export_variant
+    from dmtd.train.export import HELDOUT_SAMPLE, export_variant
     from dmtd.train.trainer import Trainer
 
     cfg, run_dir = train_config_from_args(args, args.run_dir)
@@ -172,7 +177,7 @@ def run_train(args: argparse.Namespace) -> int:
     m = export_variant(trainer.student, cfg, out, trainer.fingerprint, trainer.corpus.content_hash,
                        args.export_dtype, args.default_tau, args.min_confidence,
                        {"steps": trainer.state.step, "tokens_seen": trainer.state.tokens_seen},
-                       rank=args.export_rank)
+                       rank=args.export_rank, heldout=trainer.heldout[:HELDOUT_SAMPLE])
     print(f"step {trainer.state.step}: exported variant {m.name!r} to {out}")
     return 0
 
@@ -198,7 +203,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dmtd.train.corpus import load_corpus
+    from dmtd.train.corpus import load_corpus, parse_records
     from dmtd.train.evaluate import EvalConfig, Evaluator
     from dmtd.train.plots import plot_report, summary_lines
     from dmtd.variants.build import find_variant
@@ -215,9 +220,11 @@ def run_eval(args: argparse.Namespace) -> int:
     mpath = find_variant(name, [shipped])
     manifest = read_manifest(mpath)
     root = mpath if mpath.is_dir() else mpath.parent
-    corpus_path = args.corpus or (Path(str(manifest.recipe["corpus"])) if manifest.recipe else None)
-    if corpus_path is None:
-        raise TrainInputError("--corpus is required (the variant records no training corpus)")
+    recorded = Path(str(manifest.recipe["corpus"])) if manifest.recipe and "corpus" in manifest.recipe else None
+    corpus_path = args.corpus or (recorded if recorded is not None and recorded.is_dir() else None)
+    if corpus_path is None and manifest.heldout is None:
+        raise TrainInputError("--corpus is required (the variant ships no held-out sample and its training "
+                              "corpus is not on this machine)")
     cfg = EvalConfig.quick() if args.quick else EvalConfig()
     for k in ("taus", "confidences", "frontier_taus", "num_prompts", "max_new_tokens"):
         if getattr(args, k) is not None:
@@ -227,15 +234,23 @@ def run_eval(args: argparse.Namespace) -> int:
     base_name = args.model or manifest.base_model
     variant = load_model(base_name)
     base = load_model(base_name)
-    corpus = load_corpus(corpus_path, vocab_size=base.config.vocab_size)
-    heldout = corpus.split("heldout")
+    if corpus_path is not None:
+        corpus = load_corpus(corpus_path, vocab_size=base.config.vocab_size)
+        heldout, source = corpus.split("heldout"), {"path": str(corpus_path), "content_hash": corpus.content_hash}
+    else:
+        assert manifest.heldout is not None
+        sample = root / manifest.heldout
+        if not sample.is_file():
+            raise TrainInputError(f"the variant's held-out sample {str(sample)!r} is missing; pass --corpus")
+        heldout = parse_records(sample.read_bytes(), str(sample))
+        source = {"path": str(sample), "content_hash": manifest.data_hash or ""}
     if not heldout:
-        raise TrainInputError(f"corpus {str(corpus_path)!r} has no held-out records")
+        raise TrainInputError(f"no held-out records in {source['path']!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ev = Evaluator(variant, manifest, root, base, cfg, device)
     report = ev.run(heldout)
     report["config"] = dataclasses.asdict(cfg)
-    report["corpus"] = {"path": str(corpus_path), "content_hash": corpus.content_hash}
+    report["corpus"] = source
     for line in summary_lines(report):
         print(line)
     if args.json:

@@ -10,18 +10,22 @@ import torch
 from safetensors.torch import save_file
 
 from dmtd.train.config import TrainConfig
+from dmtd.train.corpus import Record
 from dmtd.train.lora import low_rank_delta, save_adapter
 from dmtd.train.student import DMTDStudent
 from dmtd.variants.manifest import MANIFEST_NAME, VariantManifest, sha256_file
 
 WEIGHTS_FILE = "weights.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
+HELDOUT_FILE = "heldout.jsonl"
+HELDOUT_SAMPLE = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_variant(student: DMTDStudent, cfg: TrainConfig, out: Path, base_fingerprint: str, data_hash: str,
                    dtype: str = "float32", default_tau: int | None = None, min_confidence: float = 0.0,
-                   extra: dict[str, Any] | None = None, rank: int | None = None) -> VariantManifest:
+                   extra: dict[str, Any] | None = None, rank: int | None = None,
+                   heldout: list[Record] | None = None) -> VariantManifest:
     """Write the trained tensors and a manifest.
 
     Full-layer scopes write ``weights``; with ``rank`` their matrices are stored instead as a truncated-SVD
@@ -48,6 +52,9 @@ def export_variant(student: DMTDStudent, cfg: TrainConfig, out: Path, base_finge
         save_adapter(out / ADAPTER_FILE, pairs, rank, float(rank), base_fingerprint, dt)
     if student.lora is not None or pairs:
         fields.update(adapter=ADAPTER_FILE, adapter_sha256=sha256_file(out / ADAPTER_FILE))
+    if heldout:
+        (out / HELDOUT_FILE).write_text("".join(r.to_json() + "\n" for r in heldout))
+        fields.update(heldout=HELDOUT_FILE)
     manifest = VariantManifest(
         name=cfg.name, base_model=cfg.base_model, num_encoding_layers=d.num_encoding_layers,
         num_thinking_layers=d.num_thinking_layers, num_decoding_layers=d.num_decoding_layers,

@@ -47,6 +47,8 @@ class VariantManifest(BaseModel):
     recipe: dict[str, Any] | None = Field(None, description="the training config that made the variant")
     data_hash: str | None = Field(None, description="content hash of the training corpus")
     eval: dict[str, Any] | None = Field(None, description="headline results of `dmtd eval` on the variant")
+    heldout: str | None = Field(None, description="JSONL sample of the corpus's held-out records (prompt and "
+                                "base completion ids), relative to the manifest, so `dmtd eval` runs anywhere")
 
     @model_validator(mode="after")
     def _tau_in_range(self) -> VariantManifest:
