@@ -54,6 +54,7 @@ class _Live:
     num_heads: int = 0
     prompt_tokens: int = 0
     t_admit: float = 0.0
+    t_admit_wall: float = 0.0
     t_last: float = 0.0
 
 
@@ -146,6 +147,7 @@ class EngineLoop:
             live.queue.put_nowait(RequestFailed(e.field, str(e)))
             return
         live.prompt_tokens = self.engine.seqs[rid].prompt_len
+        live.t_admit_wall = time.time()
         live.t_admit = live.t_last = time.perf_counter()
 
     async def _run(self) -> None:
@@ -197,7 +199,7 @@ class EngineLoop:
             if o.req_id in self.engine.seqs else 0.0,
             "confidence": (min(confs), sum(confs) / len(confs), max(confs)),
             "block_ms": interval_ms, "replica": self.replica_name,
-            "queue_ms": (live.t_admit - live.req.arrival_s) * 1e3 if live.block_index == 0 else 0.0,
+            "queue_ms": max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
         }
         live.text, live.t_last = [], now
         live.block_index += 1

@@ -1,0 +1,166 @@
+"""The Serve application: ``Gateway`` (gRPC + OpenAI HTTP ingress) in front of one ``DMTDReplica`` deployment per
+variant. ``build_app(args)`` is the import path KubeRay's serveConfigV2 and ``dmtd serve`` use."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from dmtd.serve.controller import ControllerConfig
+from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
+from dmtd.serve.openai_api import completion_chunk, completion_response, error_body, to_replica_request
+from dmtd.serve.requests import InvalidRequest
+from dmtd.serve.routing import Route, Router
+
+http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas")
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503}
+
+
+@dataclass(slots=True)
+class EngineFactory:
+    """Builds a replica's engine inside the replica process (picklable: plain settings only)."""
+
+    variant: str = "none"
+    model: str | None = None
+    decoding_layers: int | None = None
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    itl_slo_ms: float = 50.0
+    tau_max: int | None = None
+    torch_threads: int = 0
+
+    def __call__(self) -> tuple[Any, ControllerConfig]:
+        import torch
+
+        from dmtd.engine.config import EngineConfig
+        from dmtd.variants.build import build_engine, engine_spec
+        from dmtd.variants.paths import SHIPPED_VARIANTS
+
+        torch.set_num_threads(self.torch_threads or os.cpu_count() or 1)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = engine_spec(self.model, self.variant, self.decoding_layers, device=device,
+                           search_dirs=[SHIPPED_VARIANTS])
+        engine = build_engine(spec, EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                                 device=device))
+        tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
+        cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
+                               rest_min_confidence=spec.min_confidence, itl_slo_ms=self.itl_slo_ms,
+                               max_batch=self.max_num_seqs)
+        return engine, cfg
+
+
+class Gateway:
+    """Serve ingress: starts the gRPC server in its own event loop and serves the OpenAI HTTP routes."""
+
+    async def __init__(self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
+                       grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64) -> None:
+        routes = {v["name"]: Route(v["name"], replicas[v["name"]], dict(v)) for v in variants}
+        self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight)
+        self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port)
+
+    async def info(self) -> dict[str, Any]:
+        return {"grpc_port": self.grpc_port, "inflight": self.core.inflight, "accepted": self.core.accepted,
+                "completed": self.core.completed, "variants": self.core.router.infos()}
+
+    @http_app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd"}
+                                           for i in self.core.router.infos() if i.get("status", "active") == "active"]}
+
+    @http_app.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._openai(request, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: Request, chat: bool) -> Any:
+        try:
+            body = json.loads(await request.body())
+            req = to_replica_request(body, chat, time.time())
+            model = str(body.get("model") or "")
+            route = self.core.admit(model if model not in ("", "default") else "")
+        except json.JSONDecodeError:
+            return JSONResponse(error_body("body is not valid JSON", "invalid_request_error"), 400)
+        except InvalidRequest as e:
+            return JSONResponse(error_body(str(e), "invalid_request_error", e.field), 400)
+        except GatewayError as e:
+            return self._error(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        blocks = self.core.stream(route, req)
+        if body.get("stream"):
+            return StreamingResponse(self._sse(blocks, rid, route.name, chat), media_type="text/event-stream")
+        text, finish, usage = [], None, {}
+        try:
+            async for b in blocks:
+                text.append(b["text"])
+                finish, usage = b.get("finish_reason"), b.get("usage") or usage
+        except GatewayError as e:
+            return self._error(e)
+        return completion_response(rid, route.name, chat, "".join(text), finish, usage)
+
+    @staticmethod
+    def _error(e: GatewayError) -> JSONResponse:
+        status = HTTP_STATUS.get(e.code.name, 500)
+        headers = {"Retry-After": str(max(1, (e.retry_after_ms or 1000) // 1000))} if status == 429 else None
+        return JSONResponse(error_body(str(e), e.code.name.lower()), status, headers=headers)
+
+    @staticmethod
+    async def _sse(blocks: AsyncIterator[dict[str, Any]], rid: str, model: str, chat: bool) -> AsyncIterator[str]:
+        first = True
+        try:
+            async for b in blocks:
+                finish = b.get("finish_reason")
+                if b["text"] or finish or first:
+                    yield completion_chunk(rid, model, chat, b["text"], finish, first)
+                    first = False
+        except GatewayError as e:
+            yield f"data: {json.dumps(error_body(str(e), e.code.name.lower()))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+# Applied at import time, in every process: Serve rewrites the class's routes on this module's app object,
+# and replicas import this module afresh rather than unpickling the driver's rewritten app.
+GatewayIngress = serve.ingress(http_app)(Gateway)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
+    ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``."""
+    variants = args.get("variants") or [{"name": "default", "variant": "none"}]
+    handles, infos = {}, []
+    for i, v in enumerate(variants):
+        factory = EngineFactory(variant=v.get("variant", v["name"]), model=v.get("model") or v.get("model_uri"),
+                                decoding_layers=v.get("decoding_layers"),
+                                max_num_seqs=int(args.get("max_num_seqs", 16)),
+                                max_model_len=int(args.get("max_model_len", 2048)),
+                                itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
+                                torch_threads=int(args.get("torch_threads", 0)))
+        from dmtd.serve.replica import DMTDReplica
+
+        name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"
+        max_ongoing = int(args.get("max_num_seqs", 16)) + int(args.get("max_queued", 64)) + 8
+        dep = serve.deployment(DMTDReplica, name=name, num_replicas=int(v.get("replicas", args.get("replicas", 1))),
+                               max_ongoing_requests=max_ongoing, health_check_period_s=5,
+                               ray_actor_options={"num_cpus": float(args.get("replica_num_cpus", 1))})
+        handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)))
+        infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
+                      "traffic_weight": float(v.get("weight", 1.0))})
+    gateway = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
+                               max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+    return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
+                        int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)))

@@ -1,0 +1,67 @@
+"""Variant routing for the gateway: names → replica handles, canary weights, the default variant."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class VariantNotFound(LookupError):
+    """No active variant of that name."""
+
+
+@dataclass(slots=True)
+class Route:
+    name: str
+    handle: Any  # a Serve DeploymentHandle (or any object with the same ``options().generate.remote`` API)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight(self) -> float:
+        return float(self.info.get("traffic_weight", 1.0))
+
+    @property
+    def active(self) -> bool:
+        return self.info.get("status", "active") == "active"
+
+
+class Router:
+    """Picks the route of a request: the named variant, else a weighted draw among active variants."""
+
+    def __init__(self, routes: dict[str, Route], default: str | None = None, rng: random.Random | None = None):
+        self.routes = routes
+        self.default = default
+        self.rng = rng or random.Random()
+        self.revision = 0
+
+    def resolve(self, name: str) -> Route:
+        if name:
+            route = self.routes.get(name)
+            if route is None or not route.active:
+                known = ", ".join(sorted(n for n, r in self.routes.items() if r.active)) or "none"
+                raise VariantNotFound(f"variant {name!r} is not served here (active: {known})")
+            return route
+        active = [r for r in self.routes.values() if r.active and r.weight > 0]
+        if not active:
+            if self.default and self.default in self.routes:
+                return self.routes[self.default]
+            raise VariantNotFound("no active variant to route to")
+        total = sum(r.weight for r in active)
+        x = self.rng.random() * total
+        for r in active:
+            x -= r.weight
+            if x < 0:
+                return r
+        return active[-1]
+
+    def update(self, name: str, info: dict[str, Any], revision: int = 0) -> None:
+        """Apply a registry change (status, weight, τ range …) to a served variant."""
+        if name in self.routes:
+            self.routes[name].info.update(info)
+        if info.get("is_default"):
+            self.default = name
+        self.revision = max(self.revision, revision)
+
+    def infos(self) -> list[dict[str, Any]]:
+        return [{**r.info, "name": n, "is_default": n == self.default} for n, r in sorted(self.routes.items())]
