@@ -28,6 +28,12 @@ class Batch:
     taus: list[int]
     lengths: list[int]
 
+    def to(self, device: torch.device) -> Batch:
+        if self.input_ids.device == device:
+            return self
+        return Batch(self.input_ids.to(device), self.head_mask.to(device), self.loss_mask.to(device),
+                     self.targets.to(device), self.taus, self.lengths)
+
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())

@@ -155,7 +155,6 @@ def train_config_from_args(args: argparse.Namespace, run_dir: Path | None) -> tu
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import torch
 
     from dmtd.train.config import TrainConfig
     from dmtd.train.export import HELDOUT_SAMPLE, export_variant
@@ -165,8 +164,6 @@ def run_train(args: argparse.Namespace) -> int:
     assert isinstance(cfg, TrainConfig)
     if args.export_only and not (run_dir / "latest.json").is_file() and args.resume_from is None:
         raise TrainInputError(f"--export-only: {run_dir} holds no checkpoint")
-    if torch.cuda.is_available():
-        print("note: CUDA is present; this recipe trains on CPU fp32 (see docs/training.md for GPU runs)")
     trainer = Trainer(cfg, run_dir, resume_from=args.resume_from)
     if not args.export_only:
         if trainer.state.step:
@@ -232,8 +229,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if any(t < 1 or t > manifest.tau_max for t in cfg.taus + cfg.frontier_taus):
         raise TrainInputError(f"taus must lie in 1..{manifest.tau_max} (the variant's tau_max)")
     base_name = args.model or manifest.base_model
-    variant = load_model(base_name)
-    base = load_model(base_name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    variant = load_model(base_name, device=device)
+    base = load_model(base_name, device=device)
     if corpus_path is not None:
         corpus = load_corpus(corpus_path, vocab_size=base.config.vocab_size)
         heldout, source = corpus.split("heldout"), {"path": str(corpus_path), "content_hash": corpus.content_hash}
@@ -246,7 +244,6 @@ def run_eval(args: argparse.Namespace) -> int:
         source = {"path": str(sample), "content_hash": manifest.data_hash or ""}
     if not heldout:
         raise TrainInputError(f"no held-out records in {source['path']!r}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     ev = Evaluator(variant, manifest, root, base, cfg, device)
     report = ev.run(heldout)
     report["config"] = dataclasses.asdict(cfg)

@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Fields a resumed run may change without breaking exactness of what was already trained.
-RESUMABLE_CHANGES = ("max_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_records", "threads")
+RESUMABLE_CHANGES = ("max_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_records", "threads",
+                     "device")
 
 
 class TrainConfig(BaseModel):
@@ -55,6 +56,8 @@ class TrainConfig(BaseModel):
     eval_records: int = Field(16, ge=1)
     init_from: str | None = Field(None, description="start from the trained tensors of this checkpoint "
                                   "(e.g. to continue a run on a grown corpus); optimizer and step start fresh")
+    device: str | None = Field(None, description="'cpu', 'cuda', … (None = cuda when present); exact resume "
+                               "holds on the same device")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's default)")
 
     @model_validator(mode="after")

@@ -88,12 +88,13 @@ class Evaluator:
             ids = torch.zeros(len(seqs), T, dtype=torch.long)
             for i, s in enumerate(seqs):
                 ids[i, : len(s)] = torch.tensor(s)
+            ids = ids.to(m.embed_tokens.weight.device)
             logp = F.log_softmax(m.forward_masked(ids, torch.ones_like(ids, dtype=torch.bool), self.plain).float(), -1)
             for i, (p, g) in enumerate(zip(ps, gs)):
                 if not g:
                     continue
-                pos = torch.arange(len(p) - 1, len(p) - 1 + len(g))
-                total -= float(logp[i, pos, torch.tensor(g)].sum())
+                pos = torch.arange(len(p) - 1, len(p) - 1 + len(g), device=logp.device)
+                total -= float(logp[i, pos, torch.tensor(g, device=logp.device)].sum())
                 count += len(g)
         return total / max(count, 1)
 

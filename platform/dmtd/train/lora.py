@@ -45,8 +45,8 @@ class LoRAAdapters(nn.Module):
                 w = sd[self.weight_name(i, t)]
                 n_in, n_out = w.shape
                 a = torch.randn(n_in, rank, generator=g, dtype=w.dtype) * n_in ** -0.5
-                self.a[self._key(i, t)] = nn.Parameter(a)
-                self.b[self._key(i, t)] = nn.Parameter(torch.zeros(rank, n_out, dtype=w.dtype))
+                self.a[self._key(i, t)] = nn.Parameter(a.to(w.device))
+                self.b[self._key(i, t)] = nn.Parameter(torch.zeros(rank, n_out, dtype=w.dtype, device=w.device))
 
     @staticmethod
     def weight_name(layer: int, target: str) -> str:

@@ -19,7 +19,7 @@ def distill_loss(logits_s: torch.Tensor, logits_t: torch.Tensor, targets: torch.
     """Weighted KL(base ‖ student) + cross-entropy over selected positions [N, V], summed / ``total_weight``."""
     logp_s = F.log_softmax(logits_s.float(), dim=-1)
     w = torch.where(is_tail, tail_weight, head_weight).to(logp_s.dtype)
-    loss = torch.zeros((), dtype=logp_s.dtype)
+    loss = torch.zeros((), dtype=logp_s.dtype, device=logp_s.device)
     stats: dict[str, float] = {}
     if kl_weight:
         logp_t = F.log_softmax(logits_t.float(), dim=-1)
@@ -54,7 +54,7 @@ def teacher_forced(student: DMTDStudent, records: list[Record], taus: list[int],
         nll, base_nll, tail_nll, count = 0.0, 0.0, 0.0, 0
         for a in range(0, len(records), batch_size):
             recs = records[a: a + batch_size]
-            b = make_batch(recs, [tau] * len(recs), dmtd, max_len)
+            b = make_batch(recs, [tau] * len(recs), dmtd, max_len).to(student.model.embed_tokens.weight.device)
             ls, lt = student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
             tgt = b.targets[b.loss_mask]
             is_tail = ~b.head_mask[b.loss_mask]

@@ -69,7 +69,8 @@ class Trainer:
         if path is not None:
             ckpt = load_checkpoint(Path(path))
             self._check_resume(ckpt)
-        self.loaded = loaded or load_model(cfg.base_model, tokenizer=False)
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.loaded = loaded or load_model(cfg.base_model, device=str(self.device), tokenizer=False)
         self.fingerprint = base_fingerprint(self.loaded.path)
         self.corpus = self._open_corpus()
         self.dmtd = dmtd_of(cfg, self.loaded.config.num_layers)
@@ -159,7 +160,7 @@ class Trainer:
             idx = step * cfg.grad_accum + k
             recs = [self.train_records[i] for i in self.order.micro_batch(idx)]
             taus, firsts = draw_routing(cfg.seed, idx, len(recs), cfg.tau_min, cfg.tau_max, cfg.phase_jitter)
-            batches.append(make_batch(recs, taus, self.dmtd, cfg.max_len, firsts))
+            batches.append(make_batch(recs, taus, self.dmtd, cfg.max_len, firsts).to(self.device))
         total = sum(batch_weight(b, cfg.head_weight, cfg.tail_weight) for b in batches) or 1.0
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -224,7 +225,7 @@ class Trainer:
 
     def save(self) -> Path:
         st = self.state
-        trainable = {n: p.detach().clone() for n, p in self.params.items()}
+        trainable = {n: p.detach().cpu().clone() for n, p in self.params.items()}
         return save_checkpoint(self.run_dir, {
             "step": st.step, "config": self.cfg.model_dump(), "trainable": trainable,
             "optimizer": self.opt.state_dict(), "corpus_hash": self.corpus.content_hash,
