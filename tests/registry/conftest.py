@@ -26,9 +26,10 @@ def _free_port() -> int:
 
 def _start(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
+    log = workdir / f"redis-{port}.log"
     proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir), "--protected-mode", "yes", "--loglevel", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--dir", str(workdir), "--protected-mode", "yes", "--loglevel", "warning",
+                             "--logfile", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and proc.poll() is None:
@@ -39,8 +40,9 @@ def _start(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
         except redis.ConnectionError:
             time.sleep(0.05)
     proc.kill()
-    _, err = proc.communicate()
-    raise RuntimeError(f"redis-server on port {port} did not start: {err.decode(errors='replace')[-500:]}")
+    proc.wait()
+    tail = log.read_text(errors="replace")[-500:] if log.is_file() else ""
+    raise RuntimeError(f"redis-server on port {port} did not start: {tail}")
 
 
 @pytest.fixture(scope="session")
