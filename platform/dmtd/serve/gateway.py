@@ -76,17 +76,28 @@ class GatewayCore:
                 finished = bool(block.get("finish_reason"))
                 yield block
             self.completed += 1
-        except Overloaded as e:
-            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms) from e
-        except RequestFailed as e:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        except _unavailable_types() as e:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"replica of {route.name!r} went away: "
-                               f"{type(e).__name__}") from e
+        except Exception as raw:
+            raise self._map_error(route, raw) from raw
         finally:
             self.inflight -= 1
             if not finished:
                 gen.cancel()
+
+
+    @staticmethod
+    def _map_error(route: Route, raw: Exception) -> Exception:
+        """Replica-side exceptions (Ray wraps them in RayTaskError) → the gRPC status they mean."""
+        e: BaseException = getattr(raw, "cause", None) or raw
+        if isinstance(e, GatewayError):
+            return e
+        if isinstance(e, Overloaded):
+            return GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms)
+        if isinstance(e, RequestFailed):
+            return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(raw, _unavailable_types()) or isinstance(e, _unavailable_types()):
+            return GatewayError(grpc.StatusCode.UNAVAILABLE, f"replica of {route.name!r} went away ({type(e).__name__})")
+        log.exception("request failed", exc_info=raw)
+        return GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):

@@ -62,10 +62,10 @@ def completion_chunk(rid: str, model: str, chat: bool, text: str, finish: str | 
     """One SSE ``data:`` line."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": FINISH.get(finish or "", None)}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": FINISH.get(finish or "")}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH.get(finish or "", None)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH.get(finish or "")}
         obj = "text_completion"
     payload = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     return f"data: {json.dumps(payload)}\n\n"

@@ -32,6 +32,9 @@ class Overloaded(RuntimeError):
         super().__init__(f"replica queue is full; retry after {retry_after_ms} ms")
         self.retry_after_ms = retry_after_ms
 
+    def __reduce__(self) -> tuple[type, tuple[int]]:  # crosses Ray: rebuild from our own arguments
+        return (Overloaded, (self.retry_after_ms,))
+
 
 class RequestFailed(RuntimeError):
     """A request was rejected by the engine (bad input the gateway could not see, e.g. prompt length)."""
@@ -39,6 +42,9 @@ class RequestFailed(RuntimeError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(message)
         self.field = field_name
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (RequestFailed, (self.field, str(self)))
 
 
 @dataclass

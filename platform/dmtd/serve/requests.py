@@ -20,7 +20,10 @@ class InvalidRequest(ValueError):
 
     def __init__(self, field_name: str, rule: str) -> None:
         super().__init__(f"{field_name}: {rule}")
-        self.field = field_name
+        self.field, self.rule = field_name, rule
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (InvalidRequest, (self.field, self.rule))
 
 
 @dataclass(slots=True)

@@ -1,0 +1,79 @@
+"""Python client for the dmtd gateway (gRPC, ``dmtd.v1.GenerateService``).
+
+    from dmtd.client import DMTDClient
+    with DMTDClient("127.0.0.1:9000") as c:
+        for block in c.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=64):
+            print(block.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from dmtd.v1 import generate_pb2 as pb
+from dmtd.v1 import generate_pb2_grpc as pb_grpc
+
+PROFILES = {"adaptive": pb.CYCLE_PROFILE_UNSPECIFIED, "quality": pb.CYCLE_PROFILE_QUALITY,
+            "balanced": pb.CYCLE_PROFILE_BALANCED, "speed": pb.CYCLE_PROFILE_SPEED}
+FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
+
+
+def build_request(prompt: str | None = None, messages: Sequence[dict[str, str]] | None = None, variant: str = "",
+                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  tau_min: int = 0, tau_max: int = 0, min_confidence: float | None = None,
+                  profile: str = "adaptive", min_block_tokens: int = 0, flush_interval_ms: int = 0,
+                  request_id: str = "", ignore_eos: bool = False) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        request_id=request_id, variant=variant, max_new_tokens=max_new_tokens, stop=list(stop),
+        stop_token_ids=list(stop_token_ids), min_block_tokens=min_block_tokens,
+        flush_interval_ms=flush_interval_ms, ignore_eos=ignore_eos,
+        sampling=pb.SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p),
+        cycle=pb.CyclePreferences(tau_min=tau_min, tau_max=tau_max, profile=PROFILES[profile]),
+    )
+    if seed is not None:
+        req.sampling.seed = seed
+    if min_confidence is not None:
+        req.cycle.min_confidence = min_confidence
+    if messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    elif prompt is not None:
+        req.prompt = prompt
+    return req
+
+
+class DMTDClient:
+    """A blocking client; ``generate`` streams :class:`dmtd.v1.TokenBlock` messages as they arrive."""
+
+    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerateServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def generate(self, prompt: str | None = None, timeout_s: float | None = None,
+                 **kwargs: Any) -> Iterator[pb.TokenBlock]:
+        """Stream the blocks of one request. Breaking out of the loop cancels the request on the server."""
+        call = self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def list_variants(self) -> pb.ListVariantsResponse:
+        return self.stub.ListVariants(pb.ListVariantsRequest(), timeout=self.timeout_s)
+
+    def get_variant(self, name: str) -> pb.VariantInfo:
+        return self.stub.GetVariant(pb.GetVariantRequest(name=name), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> DMTDClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,59 @@
+"""One Ray Serve stack for the serving tests (session-scoped), inside a private network namespace."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.serve.netns import isolate_network
+
+VARIANT = "smol-d8"
+
+
+@dataclass
+class Stack:
+    grpc_target: str
+    http_url: str
+    app: str
+
+    def replica_stats(self) -> dict[str, Any]:
+        from ray import serve
+
+        return serve.get_deployment_handle("DMTDReplica", app_name=self.app).stats.remote().result()
+
+    def gateway_info(self) -> dict[str, Any]:
+        from ray import serve
+
+        return serve.get_deployment_handle("Gateway", app_name=self.app).info.remote().result()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def stack():
+    isolate_network()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from dmtd.serve.app import build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="dmtd-tests")
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    app = build_app({
+        "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4}],
+        "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
+    })
+    serve.run(app, name="dmtd", route_prefix="/")
+    yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd")
+    serve.shutdown()
+    ray.shutdown()
