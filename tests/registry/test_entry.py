@@ -44,10 +44,10 @@ def test_entry_rejects_weight_out_of_range_and_manifest_overrides_are_checked() 
 
 
 def test_manifest_round_trip_through_the_real_manifest_class(tmp_path: Path) -> None:
-    manifest = VariantManifest(name="smollm2-d8", num_thinking_layers=22, num_decoding_layers=8, tau_max=4,
-                               default_tau=2, min_confidence=0.3, phase_anchor="absolute",
-                               head_input="residual_add", weights="w/model.safetensors", weights_sha256=SHA,
-                               description="calibrated", recipe={"lr": 1e-4})
+    manifest = VariantManifest.model_validate(dict(
+        name="smollm2-d8", num_thinking_layers=22, num_decoding_layers=8, tau_max=4, default_tau=2,
+        min_confidence=0.3, phase_anchor="absolute", head_input="residual_add", weights="w/model.safetensors",
+        weights_sha256=SHA, description="calibrated", recipe={"lr": 1e-4}))
     path = tmp_path / "v" / "variant.json"
     got = VariantSpec.from_manifest(manifest, path, tau_min=2)
     assert got.weights_uri == str(tmp_path / "v" / "w" / "model.safetensors")

