@@ -77,3 +77,49 @@ class DMTDClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def generate_to_console(target: str, *, prompt: str | None, chat: str | None, variant: str | None,
+                        as_json: bool, **kwargs: Any) -> dict[str, Any]:
+    """What ``dmtd generate --server`` does: stream text, then report tokens/s and the mean block length.
+
+    Returns the same record the local command prints with ``--json`` (decode tokens/s counts from the
+    first block, as the local command counts from the first token).
+    """
+    import sys
+    import time
+
+    messages = [{"role": "user", "content": chat}] if chat is not None else None
+    tokens: list[int] = []
+    blocks: list[int] = []
+    text: list[str] = []
+    t_first = t_last = 0.0
+    first_k = 0
+    finish = None
+    tau = 0
+    served_by = ""
+    with DMTDClient(target) as client:
+        for b in client.generate(prompt=prompt, messages=messages, variant=variant or "", **kwargs):
+            now = time.perf_counter()
+            if not blocks:
+                t_first, first_k = now, len(b.token_ids)
+            t_last = now
+            tokens.extend(b.token_ids)
+            if b.token_ids:
+                blocks.append(len(b.token_ids))
+            text.append(b.text)
+            tau, served_by = b.tau, b.variant
+            if not as_json:
+                print(b.text, end="", flush=True)
+            if b.finish_reason:
+                finish = FINISH_NAMES.get(b.finish_reason, "stop")
+    dt = t_last - t_first
+    tok_s = (len(tokens) - first_k) / dt if dt > 0 else 0.0
+    mean_block = sum(blocks) / len(blocks) if blocks else 0.0
+    if not as_json:
+        print()
+    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}, finish={finish}]",
+          file=sys.stderr if as_json else sys.stdout)
+    return {"prompt_token_ids": [], "token_ids": tokens, "text": "".join(text), "tokens_per_s": tok_s,
+            "mean_block_len": mean_block, "block_lens": blocks, "tau": tau, "finish_reason": finish,
+            "variant": served_by, "server": target}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.serve.netns import isolate_network
+from dmtd.serve.netns import isolate_network
 
 VARIANT = "smol-d8"
 

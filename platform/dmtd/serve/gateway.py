@@ -95,7 +95,8 @@ class GatewayCore:
         if isinstance(e, RequestFailed):
             return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if isinstance(raw, _unavailable_types()) or isinstance(e, _unavailable_types()):
-            return GatewayError(grpc.StatusCode.UNAVAILABLE, f"replica of {route.name!r} went away ({type(e).__name__})")
+            msg = f"replica of {route.name!r} went away ({type(e).__name__})"
+            return GatewayError(grpc.StatusCode.UNAVAILABLE, msg)
         log.exception("request failed", exc_info=raw)
         return GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 

@@ -1,0 +1,198 @@
+"""``dmtd bench serve``: a load generator over real gRPC against a local stack, comparing τ policies.
+
+Policies run on the same stack, one after another: fixed τ=1 and fixed τ=3 (request bounds pin τ; the
+variant's confidence gate stays on) and adaptive (the replica's controller decides). Closed loop: N
+workers send back-to-back requests. Open loop: Poisson arrivals at a given rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+POLICIES = {"tau1": (1, 1), "tau3": (3, 3), "adaptive": (0, 0)}
+PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
+           "List five tips for learning a new language.", "Describe the water cycle.",
+           "What are the benefits of regular exercise?", "Write a poem about the sea.",
+           "How does a bicycle stay upright?", "Give me a recipe for pancakes."]
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=None, help="bench a running gateway instead of starting a stack")
+    p.add_argument("--variant", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--decoding-layers", type=int, default=None)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--rate", type=float, default=0.0, help="open-loop Poisson arrivals per second (0 = skip)")
+    p.add_argument("--open-requests", type=int, default=24, help="requests per open-loop run")
+    p.add_argument("--policies", default="tau1,tau3,adaptive")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--requests-per-worker", type=int, default=3)
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    p.add_argument("--itl-slo-ms", type=float, default=50.0)
+    p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def one_request(target: str, i: int, policy: str, max_new: int) -> dict[str, Any]:
+    from dmtd.client import DMTDClient
+
+    lo, hi = POLICIES[policy]
+    t0 = time.perf_counter()
+    itl: list[float] = []
+    first = last = None
+    tokens = 0
+    with DMTDClient(target) as c:
+        for b in c.generate(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                            max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi):
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            elif b.k:
+                itl.extend([(now - (last or now)) * 1e3 / b.k] * b.k)
+            last = now
+            tokens += b.k
+    return {"ttft_ms": ((first or t0) - t0) * 1e3, "e2e_ms": ((last or t0) - t0) * 1e3, "tokens": tokens,
+            "itl_ms": itl}
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarize(results: list[dict[str, Any]], wall_s: float, ttft_slo: float, itl_slo: float) -> dict[str, Any]:
+    itl = [x for r in results for x in r["itl_ms"]]
+    ok = [r for r in results if r["ttft_ms"] <= ttft_slo and pct(r["itl_ms"], 0.95) <= itl_slo]
+    return {"requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall_s, "wall_s": wall_s,
+            "ttft_p50_ms": pct([r["ttft_ms"] for r in results], 0.5),
+            "ttft_p95_ms": pct([r["ttft_ms"] for r in results], 0.95),
+            "itl_p50_ms": pct(itl, 0.5), "itl_p95_ms": pct(itl, 0.95),
+            "e2e_p50_ms": pct([r["e2e_ms"] for r in results], 0.5),
+            "e2e_p95_ms": pct([r["e2e_ms"] for r in results], 0.95),
+            "slo_attainment": len(ok) / len(results) if results else 0.0}
+
+
+def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        futs = [pool.submit(lambda w: [one_request(target, w * 100 + j, policy, max_new) for j in range(per_worker)], w)
+                for w in range(n)]
+        results = [r for f in futs for r in f.result()]
+    return results, time.perf_counter() - t0
+
+
+def open_loop(target: str, policy: str, rate: float, count: int, max_new: int, seed: int = 0) -> tuple[list, float]:
+    rng = random.Random(seed)
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def fire(i: int) -> None:
+        r = one_request(target, i, policy, max_new)
+        with lock:
+            results.append(r)
+
+    t0 = time.perf_counter()
+    threads = []
+    for i in range(count):
+        threads.append(threading.Thread(target=fire, args=(i,)))
+        threads[-1].start()
+        time.sleep(rng.expovariate(rate))
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
+    from dmtd.serve.local import start_stack, stop_stack
+
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    policies = [p for p in args.policies.split(",") if p]
+    started = args.server is None
+    if started:
+        from dmtd.serve.netns import isolate_network
+
+        isolate_network()
+        ns = argparse.Namespace(host="127.0.0.1", grpc_port=args.grpc_port or 19000, http_port=18000,
+                                model=args.model, decoding_layers=args.decoding_layers, replicas=1,
+                                max_num_seqs=max(concurrency), itl_slo_ms=args.itl_slo_ms)
+        info = start_stack(ns, args.variant or default_variant)
+        target = info["grpc"]
+    else:
+        target = args.server
+    rows = []
+    try:
+        one_request(target, 0, "tau1", 8)  # warm-up
+        jobs = [(p, n) for n in concurrency for p in policies]
+        if args.rate > 0:
+            jobs += [(p, -1) for p in policies]
+        for policy, n in tqdm(jobs, desc="bench serve", unit="run"):
+            if n > 0:
+                res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens)
+                mode = {"mode": "closed", "concurrency": n}
+            else:
+                res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
+                mode = {"mode": "open", "rate": args.rate}
+            rows.append({"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)})
+    finally:
+        if started:
+            stop_stack()
+    for r in rows:
+        base = next((b for b in rows if b["policy"] == "tau1" and b["mode"] == r["mode"]
+                     and b.get("concurrency") == r.get("concurrency")), None)
+        if base:
+            r["speedup_vs_tau1"] = r["tokens_per_s"] / base["tokens_per_s"]
+    result = {"target": target, "variant": args.variant or default_variant, "max_new_tokens": args.max_new_tokens,
+              "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms, "rows": rows}
+    print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
+          f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
+    for r in rows:
+        print(f"{r['mode']:>6} {r.get('concurrency', r.get('rate')):>6} {r['policy']:>9} {r['tokens_per_s']:>7.1f} "
+              f"{r.get('speedup_vs_tau1', 0):>5.2f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
+              f"{r['itl_p95_ms']:>8.1f} {r['e2e_p95_ms']:>8.0f} {r['slo_attainment']:>5.0%}")
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        plot(result, path.with_suffix(".png"))
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["mode"] == "closed"]
+    conc = sorted({r["concurrency"] for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(1, len(policies))
+    for j, p in enumerate(policies):
+        sel = [next(r for r in rows if r["policy"] == p and r["concurrency"] == c) for c in conc]
+        xs = [i + j * width for i in range(len(conc))]
+        a.bar(xs, [r["tokens_per_s"] for r in sel], width, label=p)
+        b.bar(xs, [r["itl_p95_ms"] for r in sel], width, label=p)
+    for ax, title in ((a, "output tokens/s"), (b, "per-token ITL p95 (ms)")):
+        ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(conc))], [f"N={c}" for c in conc])
+        ax.set_title(title)
+    b.axhline(result["itl_slo_ms"], color="red", lw=1, ls="--", label="ITL SLO")
+    a.legend()
+    b.legend()
+    fig.suptitle(f"dmtd bench serve — variant {result['variant']}, {result['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,111 @@
+"""``dmtd serve``: the whole stack on this machine — Ray, registry, gateway, replica(s) — until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and HTTP servers bind")
+    p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--registry", default=None, help="Redis URL of the variant registry (default: embedded)")
+    p.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2)")
+    p.add_argument("--variant", default=None, help="variant to serve (default: the shipped variant, if any)")
+    p.add_argument("--decoding-layers", type=int, default=None, help="with --variant none: DMTD split to run")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
+    p.add_argument("--demo", action="store_true",
+                   help="start, stream one chat answer over gRPC, print tokens/s and block lengths, stop")
+
+
+def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from dmtd.serve.app import build_app
+
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    serve.start(http_options={"host": args.host, "port": args.http_port})
+    name = variant if variant != "none" else ("base" if args.decoding_layers is None else
+                                              f"base-d{args.decoding_layers}")
+    app = build_app({
+        "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
+                      "replicas": args.replicas}],
+        "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
+        "itl_slo_ms": args.itl_slo_ms,
+    })
+    serve.run(app, name="dmtd", route_prefix="/")
+    return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"http://{args.host}:{args.http_port}"}
+
+
+def stop_stack() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def demo(target: str) -> None:
+    from dmtd.client import DMTDClient
+
+    question = "Explain in three sentences why the sky is blue."
+    print(f"\n> {question}\n")
+    ks: list[int] = []
+    taus: list[int] = []
+    t_first = t_last = None
+    with DMTDClient(target) as client:
+        for block in client.generate(messages=[{"role": "user", "content": question}], max_new_tokens=96):
+            now = time.perf_counter()
+            t_first = t_first or now
+            t_last = now
+            ks.append(block.k)
+            taus.append(block.tau)
+            print(block.text, end="", flush=True)
+    n = sum(ks)
+    dt = (t_last or 0) - (t_first or 0)
+    print(f"\n\n[{n} tokens in {len(ks)} blocks over gRPC, {(n - ks[0]) / dt if dt > 0 else 0:.1f} tok/s after "
+          f"the first block, τ in force {sorted(set(taus))}]")
+    hist = Counter(ks)
+    print("block length histogram:")
+    for k in sorted(hist):
+        print(f"  k={k}: {'#' * hist[k]} {hist[k]}")
+
+
+def serve_main(args: argparse.Namespace, variant: str) -> int:
+    info = start_stack(args, variant)
+    try:
+        if args.demo:
+            demo(info["grpc"])
+            return 0
+        print(f"""
+dmtd is serving variant {info['variant']!r}
+  gRPC   {info['grpc']}   (dmtd.v1.GenerateService, grpc.health.v1, reflection)
+  HTTP   {info['http']}/v1   (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
+
+Try:
+  dmtd generate --server {info['grpc']} --chat "Hello!"
+  curl {info['http']}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model": "{info['variant']}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+Ctrl-C stops it.""", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        stop_stack()
