@@ -29,6 +29,8 @@ lint: $(STAMP)
 
 test: setup lint
 	bash scripts/install-helm.sh
+	bash scripts/install-redis.sh
+	bash scripts/check-proto.sh
 	$(BIN)/python -m pytest -q
 
 bench: setup
