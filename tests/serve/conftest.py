@@ -19,6 +19,7 @@ class Stack:
     grpc_target: str
     http_url: str
     app: str
+    registry_url: str
 
     def replica_stats(self) -> dict[str, Any]:
         from ray import serve
@@ -37,9 +38,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_registry(workdir) -> tuple[object, str]:
+    """A Debian redis-server on loopback of this (private) namespace, with the served variant registered."""
+    from dmtd.registry import RegistryClient, VariantSpec
+    from tests.registry.conftest import INSTALL_HINT, _start, system_redis_server
+
+    exe = system_redis_server()
+    if exe is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    proc, url = _start(exe, workdir)
+    with RegistryClient(url) as reg:
+        reg.register(VariantSpec(name=VARIANT, num_thinking_layers=22, num_decoding_layers=8, tau_min=1, tau_max=4,
+                                 default_tau=1, min_confidence=0.0), status="active", traffic_weight=1.0)
+        reg.set_default(VARIANT)
+    return proc, url
+
+
 @pytest.fixture(scope="session")
-def stack():
-    isolate_network()
+def stack(tmp_path_factory):
+    isolate_network()  # first: Redis and Ray below must live on this namespace's loopback
+    redis_proc, registry_url = start_registry(tmp_path_factory.mktemp("serve-redis"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
@@ -52,8 +70,10 @@ def stack():
     app = build_app({
         "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4}],
         "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
+        "registry_url": registry_url, "itl_slo_ms": 5000.0,  # no ITL pressure: tests see the operating point
     })
     serve.run(app, name="dmtd", route_prefix="/")
-    yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd")
+    yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd", registry_url)
     serve.shutdown()
     ray.shutdown()
+    redis_proc.terminate()  # type: ignore[attr-defined]

@@ -156,6 +156,28 @@ def test_openai_client_streaming_and_not(stack):
         client.completions.create(model="nope", prompt="x")
 
 
+def test_registry_change_reaches_replica_and_gateway_within_2s(stack):
+    from dmtd.registry import RegistryClient
+
+    before = stack.replica_stats()
+    with RegistryClient(stack.registry_url) as reg:
+        reg.update(VARIANT, min_confidence=0.55, tau_max=2)
+        t0 = time.monotonic()
+        while True:
+            stats = stack.replica_stats()
+            if stats["rest_min_confidence"] == 0.55 and tuple(stats["tau_bounds"]) == (1, 2):
+                break
+            assert time.monotonic() - t0 < 2.0, stats
+            time.sleep(0.05)
+        assert stats["registry_revision"] > before["registry_revision"]
+        with DMTDClient(stack.grpc_target) as c:
+            info = c.get_variant(VARIANT)
+            assert info.tau_max == 2 and abs(info.min_confidence - 0.55) < 1e-6 and info.is_default
+            blocks = list(c.generate(prompt="Hello there", max_new_tokens=12, ignore_eos=True))
+        assert all(b.tau <= 2 for b in blocks) and all(abs(b.min_confidence - 0.55) < 1e-6 for b in blocks)
+        reg.update(VARIANT, min_confidence=0.0, tau_max=4)  # restore for the tests after this one
+
+
 def test_zz_replica_killed_mid_stream_is_unavailable_then_restored(stack):
     import ray
 

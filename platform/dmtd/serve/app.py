@@ -62,10 +62,37 @@ class Gateway:
     """Serve ingress: starts the gRPC server in its own event loop and serves the OpenAI HTTP routes."""
 
     async def __init__(self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
-                       grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64) -> None:
+                       grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64,
+                       registry_url: str | None = None) -> None:
         routes = {v["name"]: Route(v["name"], replicas[v["name"]], dict(v)) for v in variants}
         self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight)
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port)
+        self.view: Any = None
+        if registry_url:
+            from dmtd.registry import RegistryClient, RegistryView
+
+            self.view = RegistryView(RegistryClient(registry_url))
+            self.view.add_listener(self._on_registry)
+            await self.view.start()
+
+    def _on_registry(self, snapshot: Any, change: Any) -> None:
+        """Follow the registry: status, canary weight, τ range and default of every served variant."""
+        router = self.core.router
+        default = snapshot.default_name if hasattr(snapshot, "default_name") else None
+        for name in list(router.routes):
+            try:
+                e = snapshot.get(name)
+            except Exception:
+                continue
+            router.update(name, {"status": e.status, "traffic_weight": e.traffic_weight, "tau_min": e.tau_min,
+                                 "tau_max": e.tau_max, "default_tau": e.default_tau,
+                                 "min_confidence": e.min_confidence, "revision": e.revision,
+                                 "num_encoding_layers": e.num_encoding_layers,
+                                 "num_thinking_layers": e.num_thinking_layers,
+                                 "num_decoding_layers": e.num_decoding_layers, "phase_anchor": e.phase_anchor,
+                                 "head_input": e.head_input, "base_model": e.base_model}, snapshot.revision)
+        if default in router.routes:
+            router.default = default
 
     async def info(self) -> dict[str, Any]:
         return {"grpc_port": self.grpc_port, "inflight": self.core.inflight, "accepted": self.core.accepted,
@@ -157,10 +184,11 @@ def build_app(args: dict[str, Any]) -> Any:
         dep = serve.deployment(DMTDReplica, name=name, num_replicas=int(v.get("replicas", args.get("replicas", 1))),
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options={"num_cpus": float(args.get("replica_num_cpus", 1))})
-        handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)))
+        handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
+                                      v["name"])
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
     gateway = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
                                max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
-                        int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)))
+                        int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"))

@@ -221,7 +221,12 @@ class EngineLoop:
         live.queue.put_nowait(block)
 
     def _apply_controller(self) -> None:
-        d = self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)
+        self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)
+        self.apply_decision()
+
+    def apply_decision(self) -> None:
+        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate."""
+        d = self.controller.decision
         for rid, live in self.live.items():
             seq = self.engine.seqs.get(rid)
             if seq is None:
@@ -242,12 +247,45 @@ EngineFactory = Callable[[], tuple[LLMEngine, ControllerConfig]]
 
 
 class DMTDReplica:
-    """Hosts one engine. ``generate`` is an async generator of block dicts (one per completed cycle)."""
+    """Hosts one engine. ``generate`` is an async generator of block dicts (one per completed cycle).
 
-    def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None) -> None:
+    With a registry URL, the replica follows its variant's registry entry: a changed ``min_confidence``,
+    τ range or ``default_tau`` is applied to the controller (and to running requests) without a restart.
+    """
+
+    def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
+                 registry_url: str | None = None, variant: str | None = None) -> None:
         engine, cfg = engine_factory()
         self.name = name or f"replica-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name)
+        self.registry_url, self.variant = registry_url, variant
+        self._view: Any = None
+        self.registry_revision = 0
+        with contextlib.suppress(RuntimeError):  # Serve builds us on its event loop; plain tests do not
+            asyncio.get_running_loop().create_task(self.follow_registry())
+
+    async def follow_registry(self) -> None:
+        """Subscribe to the registry and apply this variant's tunables on every change."""
+        if not self.registry_url or not self.variant or self._view is not None:
+            return
+        from dmtd.registry import RegistryClient, RegistryView
+
+        self._view = RegistryView(RegistryClient(self.registry_url))
+        self._view.add_listener(self._on_registry)
+        try:
+            await self._view.start()
+        except Exception:
+            log.exception("replica %s: registry %s unavailable; serving with local settings", self.name,
+                          self.registry_url)
+
+    def _on_registry(self, snapshot: Any, change: Any) -> None:
+        try:
+            entry = snapshot.get(self.variant)
+        except Exception:
+            return
+        self.registry_revision = snapshot.revision
+        self.reconfigure({"tau_min": entry.tau_min, "tau_max": entry.tau_max, "default_tau": entry.default_tau,
+                          "min_confidence": entry.min_confidence})
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
@@ -256,7 +294,10 @@ class DMTDReplica:
                 yield block
 
     async def stats(self) -> dict[str, Any]:
-        return self.loop.stats()
+        await self.follow_registry()
+        return {**self.loop.stats(), "registry_revision": self.registry_revision,
+                "tau_bounds": (self.loop.controller.cfg.tau_min, self.loop.controller.cfg.tau_max),
+                "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve ``user_config``: τ bounds and gate from the operator or the registry; no restart."""
@@ -273,3 +314,8 @@ class DMTDReplica:
         new.tau_max = max(1, min(new.tau_max, variant_max))
         new.tau_min = max(1, min(new.tau_min, new.tau_max))
         self.loop.reconfigure(new)
+        d = self.loop.controller.decision  # the operating point moves at once when there is no pressure
+        if self.loop.controller.queue_depth == 0:
+            self.loop.controller.decision = type(d)(new.clamp(new.rest_tau), new.rest_min_confidence,
+                                                    "reconfigured: new operating point")
+        self.loop.apply_decision()
