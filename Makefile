@@ -24,7 +24,7 @@ demo: setup
 
 lint: $(STAMP)
 	$(BIN)/ruff check platform operator tests
-	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants operator/dmtd_operator
+	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants platform/dmtd/registry platform/dmtd/serve platform/dmtd/client.py operator/dmtd_operator
 	$(BIN)/lint-imports
 
 test: setup lint

@@ -59,11 +59,12 @@ class EngineFactory:
 
 
 class Gateway:
-    """Serve ingress: starts the gRPC server in its own event loop and serves the OpenAI HTTP routes."""
+    """Serve ingress: runs the gRPC server on the replica's event loop and serves the OpenAI HTTP routes."""
 
-    async def __init__(self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
-                       grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64,
-                       registry_url: str | None = None) -> None:
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
+        grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64, registry_url: str | None = None,
+    ) -> None:
         routes = {v["name"]: Route(v["name"], replicas[v["name"]], dict(v)) for v in variants}
         self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight)
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port)
@@ -131,7 +132,9 @@ class Gateway:
         blocks = self.core.stream(route, req)
         if body.get("stream"):
             return StreamingResponse(self._sse(blocks, rid, route.name, chat), media_type="text/event-stream")
-        text, finish, usage = [], None, {}
+        text: list[str] = []
+        finish: str | None = None
+        usage: dict[str, int] = {}
         try:
             async for b in blocks:
                 text.append(b["text"])
@@ -181,14 +184,15 @@ def build_app(args: dict[str, Any]) -> Any:
 
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"
         max_ongoing = int(args.get("max_num_seqs", 16)) + int(args.get("max_queued", 64)) + 8
-        dep = serve.deployment(DMTDReplica, name=name, num_replicas=int(v.get("replicas", args.get("replicas", 1))),
+        replicas = int(v.get("replicas", args.get("replicas", 1)))
+        dep: Any = serve.deployment(DMTDReplica, name=name, num_replicas=replicas,
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options={"num_cpus": float(args.get("replica_num_cpus", 1))})
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
                                       v["name"])
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
-    gateway = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
+    gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
                                max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
                         int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"))

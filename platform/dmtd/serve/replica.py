@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +104,7 @@ class EngineLoop:
             hi = max(min(hi, req.tau_max), lo)
         return lo, hi
 
-    async def submit(self, req: ReplicaRequest) -> AsyncIterator[dict[str, Any]]:
+    async def submit(self, req: ReplicaRequest) -> AsyncGenerator[dict[str, Any], None]:
         """Queue a request and yield its blocks; cancelling the iteration frees its slot."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
             raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
