@@ -66,6 +66,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="generate through a running dmtd gateway (gRPC) instead of a local engine")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -79,6 +81,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("one of --prompt or --chat is required")
     if args.greedy and args.temperature:
         raise UsageError("--greedy and --temperature > 0 contradict each other")
+    if args.server:
+        return cmd_generate_remote(args)
     variant = args.variant if args.variant is not None else (
         "none" if args.decoding_layers is not None else default_variant())
     if args.decoding_layers is not None and variant != "none":
@@ -124,6 +128,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks, "tau": tau,
             "finish_reason": finish, "variant": variant,
         }))
+    return 0
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from dmtd.client import generate_to_console
+
+    if args.decoding_layers is not None or args.model is not None:
+        raise UsageError("--model and --decoding-layers choose a local engine; with --server the server decides")
+    try:
+        out = generate_to_console(
+            args.server, prompt=args.prompt, chat=args.chat, variant=args.variant, as_json=args.json,
+            max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+            tau_min=args.tau or 0, tau_max=args.tau or 0, min_confidence=args.min_confidence,
+        )
+    except grpc.RpcError as e:
+        code = e.code()
+        print(f"error: {code.name if code else 'UNKNOWN'}: {e.details()}", file=sys.stderr)
+        return EXIT_USAGE if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dmtd.serve.local import serve_main
+
+    variant = args.variant if args.variant is not None else (
+        "none" if args.decoding_layers is not None else default_variant())
+    return serve_main(args, variant)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from dmtd.serve.bench import run_bench_serve
+
+    run_bench_serve(args, default_variant())
     return 0
 
 
@@ -183,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench_engine)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
+    from dmtd.serve.bench import add_bench_serve_args
+    from dmtd.serve.local import add_serve_args
+
+    bs = bsub.add_parser("serve", help="load over real gRPC: τ=1 vs τ=3 vs adaptive at several concurrencies")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
+    s = sub.add_parser("serve", help="run the whole stack locally (Ray, registry, gateway, replicas)")
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+    from dmtd.registry.cli import add_variants_parser
+
+    add_variants_parser(sub)
     from dmtd.train.commands import add_data_args, add_eval_args, add_train_args
 
     d = sub.add_parser("data", help="make a self-distillation corpus with the base model (resumable)")

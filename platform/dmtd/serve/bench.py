@@ -124,7 +124,7 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         from dmtd.serve.netns import isolate_network
 
         isolate_network()
-        ns = argparse.Namespace(host="127.0.0.1", grpc_port=args.grpc_port or 19000, http_port=18000,
+        ns = argparse.Namespace(host="127.0.0.1", grpc_port=args.grpc_port or 19000, http_port=18000, registry=None,
                                 model=args.model, decoding_layers=args.decoding_layers, replicas=1,
                                 max_num_seqs=max(concurrency), itl_slo_ms=args.itl_slo_ms)
         info = start_stack(ns, args.variant or default_variant)

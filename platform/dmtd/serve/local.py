@@ -26,8 +26,43 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="start, stream one chat answer over gRPC, print tokens/s and block lengths, stop")
 
 
+def ensure_registered(url: str, name: str, variant: str, model: str | None, decoding_layers: int | None) -> None:
+    """Put the served variant in the registry (active, default) unless it is there already."""
+    from dmtd.registry import RegistryClient, VariantSpec, VariantNotFound
+
+    with RegistryClient(url) as reg:
+        try:
+            reg.get(name)
+            return
+        except VariantNotFound:
+            pass
+        if variant != "none":
+            from dmtd.variants.build import find_variant
+            from dmtd.variants.manifest import read_manifest
+            from dmtd.variants.paths import SHIPPED_VARIANTS
+
+            path = find_variant(variant, [SHIPPED_VARIANTS])
+            spec = VariantSpec.from_manifest(read_manifest(path), manifest_path=str(path), name=name)
+        else:
+            import json
+
+            from dmtd.variants.loader import resolve_model_path
+
+            layers = int(json.loads((resolve_model_path(model) / "config.json").read_text())["num_hidden_layers"])
+            d = decoding_layers or 1
+            tau_max = 8 if decoding_layers else 1
+            spec = VariantSpec(name=name, base_model=model or "smollm2", num_thinking_layers=layers - d,
+                               num_decoding_layers=d, tau_max=tau_max, default_tau=1,
+                               description="base model with DMTD routing (untrained)" if decoding_layers else
+                               "plain base model")
+        reg.register(spec, status="active", traffic_weight=1.0, make_default=True)
+
+
 def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from dmtd.registry import embedded_redis, registry_url
+
+    url = registry_url(getattr(args, "registry", None)) or embedded_redis()
     import ray
     from ray import serve
 
@@ -38,14 +73,16 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     serve.start(http_options={"host": args.host, "port": args.http_port})
     name = variant if variant != "none" else ("base" if args.decoding_layers is None else
                                               f"base-d{args.decoding_layers}")
+    ensure_registered(url, name, variant, args.model, args.decoding_layers)
     app = build_app({
         "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
                       "replicas": args.replicas}],
         "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
-        "itl_slo_ms": args.itl_slo_ms,
+        "itl_slo_ms": args.itl_slo_ms, "registry_url": url,
     })
     serve.run(app, name="dmtd", route_prefix="/")
-    return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"http://{args.host}:{args.http_port}"}
+    return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"http://{args.host}:{args.http_port}",
+            "registry": url}
 
 
 def stop_stack() -> None:
@@ -92,6 +129,7 @@ def serve_main(args: argparse.Namespace, variant: str) -> int:
 dmtd is serving variant {info['variant']!r}
   gRPC   {info['grpc']}   (dmtd.v1.GenerateService, grpc.health.v1, reflection)
   HTTP   {info['http']}/v1   (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
+  registry {info['registry']}   (dmtd variants list --registry '{info['registry']}')
 
 Try:
   dmtd generate --server {info['grpc']} --chat "Hello!"
