@@ -28,7 +28,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def ensure_registered(url: str, name: str, variant: str, model: str | None, decoding_layers: int | None) -> None:
     """Put the served variant in the registry (active, default) unless it is there already."""
-    from dmtd.registry import RegistryClient, VariantSpec, VariantNotFound
+    from dmtd.registry import RegistryClient, VariantNotFound, VariantSpec
 
     with RegistryClient(url) as reg:
         try:
@@ -51,10 +51,11 @@ def ensure_registered(url: str, name: str, variant: str, model: str | None, deco
             layers = int(json.loads((resolve_model_path(model) / "config.json").read_text())["num_hidden_layers"])
             d = decoding_layers or 1
             tau_max = 8 if decoding_layers else 1
-            spec = VariantSpec(name=name, base_model=model or "smollm2", num_thinking_layers=layers - d,
-                               num_decoding_layers=d, tau_max=tau_max, default_tau=1,
-                               description="base model with DMTD routing (untrained)" if decoding_layers else
-                               "plain base model")
+            spec = VariantSpec.model_validate({
+                "name": name, "base_model": model or "smollm2", "num_thinking_layers": layers - d,
+                "num_decoding_layers": d, "tau_max": tau_max, "default_tau": 1,
+                "description": "base model with DMTD routing (untrained)" if decoding_layers else "plain base model",
+            })
         reg.register(spec, status="active", traffic_weight=1.0, make_default=True)
 
 
