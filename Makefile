@@ -21,6 +21,7 @@ setup: $(STAMP)
 
 demo: setup
 	$(BIN)/dmtd generate --chat "Explain in three sentences why the sky is blue." --max-new-tokens 96
+	bash scripts/demo-serve.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check platform operator tests
