@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+import json
+
 from dmtd_operator import resources as r
 from dmtd_operator.spec import DMTDDeploymentSpec
 
@@ -46,10 +48,8 @@ def serve_config(t: Target) -> Body:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": r.SERVE_HTTP_PORT},
-        "grpc_options": {
-            "port": r.GATEWAY_GRPC_PORT,
-            "grpc_servicer_functions": list(s.serving.grpc_servicer_functions),
-        },
+        # gRPC is served by the Gateway deployment's own grpc.aio server (docs/architecture.md), pinned to
+        # the head pod through a custom resource so the gateway Service can target it.
         "applications": [
             {
                 "name": r.SERVE_APP_NAME,
@@ -64,6 +64,9 @@ def serve_config(t: Target) -> Body:
                     ],
                     "gpus_per_replica": s.resources.gpus_per_replica,
                     "metrics_port": r.METRICS_PORT,
+                    "grpc_host": "0.0.0.0",
+                    "grpc_port": r.GATEWAY_GRPC_PORT,
+                    "gateway_resources": {r.GATEWAY_RESOURCE: 1},
                 },
                 "deployments": [
                     {
@@ -72,7 +75,11 @@ def serve_config(t: Target) -> Body:
                         "ray_actor_options": {"num_gpus": s.resources.gpus_per_replica},
                         "user_config": {"tau_min": t.tau_min, "tau_max": t.tau_max},
                     },
-                    {"name": r.GATEWAY_DEPLOYMENT, "num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+                    {
+                        "name": r.GATEWAY_DEPLOYMENT,
+                        "num_replicas": 1,
+                        "ray_actor_options": {"num_cpus": 1, "resources": {r.GATEWAY_RESOURCE: 1}},
+                    },
                 ],
             }
         ],
@@ -129,7 +136,11 @@ def ray_service(t: Target) -> Body:
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60},
                 "headGroupSpec": {
-                    "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
+                    "rayStartParams": {
+                        "num-gpus": "0",
+                        "dashboard-host": "0.0.0.0",
+                        "resources": json.dumps(json.dumps({r.GATEWAY_RESOURCE: 1})),
+                    },
                     "template": {
                         "metadata": {"labels": labels},
                         "spec": {
@@ -161,7 +172,7 @@ def gateway_service(t: Target) -> Body:
         "metadata": _meta(t, r.gateway_service_name(t.name), "gateway"),
         "spec": {
             "type": "ClusterIP",
-            "selector": {r.LABEL_INSTANCE: t.name, "ray.io/serve": "true"},
+            "selector": {r.LABEL_INSTANCE: t.name, "ray.io/node-type": "head"},
             "ports": [
                 {
                     "name": "grpc",

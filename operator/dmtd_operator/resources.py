@@ -22,7 +22,9 @@ SERVE_IMPORT_PATH = "dmtd.serve.app:build_app"
 REPLICA_DEPLOYMENT = "DMTDReplica"
 GATEWAY_DEPLOYMENT = "Gateway"
 GATEWAY_GRPC_PORT = 9000
-"""Ray Serve's gRPC proxy port (serveConfigV2 grpc_options.port)."""
+"""The Gateway deployment's gRPC port (dmtd.v1.GenerateService, health, reflection)."""
+GATEWAY_RESOURCE = "dmtd-gateway"
+"""Custom Ray resource only the head pod offers: pins the Gateway deployment there."""
 SERVE_HTTP_PORT = 8000
 METRICS_PORT = 9464
 """Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""

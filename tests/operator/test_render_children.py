@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from typing import Any
 
 import kopf
@@ -93,7 +94,12 @@ def test_rayservice_carries_scale_tau_and_registry_in_serve_config() -> None:
         "ray_actor_options": {"num_gpus": 2},
         "user_config": {"tau_min": 1, "tau_max": 2},
     }
-    assert config["grpc_options"]["port"] == r.GATEWAY_GRPC_PORT
+    assert "grpc_options" not in config  # the Gateway deployment serves gRPC itself
+    assert app["args"]["grpc_port"] == r.GATEWAY_GRPC_PORT
+    gateway = next(d for d in app["deployments"] if d["name"] == r.GATEWAY_DEPLOYMENT)
+    assert gateway["ray_actor_options"]["resources"] == {r.GATEWAY_RESOURCE: 1}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert json.loads(json.loads(head["resources"])) == {r.GATEWAY_RESOURCE: 1}
     assert render.replicas_of(rs) == 3
     cluster = rs["spec"]["rayClusterConfig"]
     assert cluster["workerGroupSpecs"][0]["maxReplicas"] == 4

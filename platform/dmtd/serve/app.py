@@ -192,7 +192,10 @@ def build_app(args: dict[str, Any]) -> Any:
                                       v["name"])
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
+    actor: dict[str, Any] = {"num_cpus": 0}
+    if args.get("gateway_resources"):  # on Kubernetes: pinned to the head pod, which the gateway Service targets
+        actor["resources"] = dict(args["gateway_resources"])
     gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
-                               max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+                                    max_ongoing_requests=1000, ray_actor_options=actor)
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
                         int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"))
