@@ -137,7 +137,7 @@ def test_default_values_render_the_whole_platform(tmp_path: Path) -> None:
     }
     assert env["DMTD_REGISTRY_URL"] == "redis://rel-dmtd-redis.dmtd.svc:6379/0"
     gateway = docs[("Service", "rel-dmtd-gateway")]
-    assert gateway["spec"]["selector"] == {r.LABEL_INSTANCE: "smollm2", "ray.io/serve": "true"}
+    assert gateway["spec"]["selector"] == {r.LABEL_INSTANCE: "smollm2", "ray.io/node-type": "head"}
     dashboard = json.loads(docs[("ConfigMap", "rel-dmtd-dashboard")]["data"]["dmtd-platform.json"])
     used = set(re.findall(r"dmtd_[a-z_]+", json.dumps(dashboard)))
     known = {m.name for m in metric_names.ALL}
