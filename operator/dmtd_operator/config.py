@@ -25,8 +25,9 @@ class OperatorConfig(BaseModel):
         default="redis://dmtd-redis:6379/0",
         description="Variant registry (Redis) URL handed to the serving pods.",
     )
-    registry_writer: Literal["configmap", "none"] = Field(
-        default="configmap", description="How registry entries are published by the operator."
+    registry_writer: Literal["redis", "configmap", "none"] = Field(
+        default="configmap", description="How registry entries are published by the operator: the Redis "
+        "registry at registry_url (plus a ConfigMap mirror), a ConfigMap only, or not at all."
     )
     reconcile_interval_s: float = Field(default=10.0, gt=0, le=600, description="Autoscaler timer period.")
     api_timeout_s: float = Field(default=30.0, gt=0, description="Timeout of one Kubernetes API call.")

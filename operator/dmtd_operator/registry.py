@@ -3,15 +3,18 @@
 The real variant registry is Redis (pub/sub), owned by the serving side. The operator only needs to
 publish "deployment X serves variants V with weights W at tau bounds T behind gateway G" and withdraw it
 on delete, so it depends on the `RegistryWriter` interface. The default writer mirrors the entry into a
-ConfigMap `<name>-registry` (no Redis client in the operator); a Redis-backed writer can replace it
-without touching the reconciler.
+ConfigMap `<name>-registry`; `RedisRegistry` writes the real registry (and keeps the ConfigMap mirror).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+import kopf
 
 from dmtd_operator import resources as r
 from dmtd_operator.kube import ConflictError, KubeApi, ObjectRef
@@ -100,3 +103,61 @@ class ConfigMapRegistry:
 
     async def withdraw(self, namespace: str, deployment: str) -> None:
         await self.api.delete(self.ref(namespace, deployment))
+
+
+class RedisRegistry:
+    """Publishes into the Redis variant registry (``dmtd.registry``) the serving side follows.
+
+    A variant's manifest is registered by its owner (``dmtd variants register``); the operator makes the
+    variants a deployment serves active, sets their canary weights (percent → share) and τ bounds, and on
+    delete takes their traffic weight back to 0 (other deployments may still serve them). Entries are also
+    mirrored into the ConfigMap (``mirror``) for ``kubectl`` users.
+    """
+
+    def __init__(self, url: str, mirror: RegistryWriter | None = None) -> None:
+        self.url = url
+        self.mirror = mirror or NullRegistry()
+        self.served: dict[tuple[str, str], list[str]] = {}
+
+    async def publish(self, entry: RegistryEntry, owner: dict[str, Any] | None) -> None:
+        await asyncio.to_thread(self._publish_sync, entry)
+        self.served[(entry.namespace, entry.deployment)] = [v.name for v in entry.variants]
+        await self.mirror.publish(entry, owner)
+
+    def _publish_sync(self, entry: RegistryEntry) -> None:
+        from dmtd.registry import RegistryClient, RegistryUnavailable, VariantNotFound
+
+        try:
+            with RegistryClient(self.url) as reg:
+                for v in entry.variants:
+                    try:
+                        current = reg.get(v.name)
+                    except VariantNotFound as e:
+                        raise kopf.TemporaryError(
+                            f"variant {v.name!r} is not in the registry at {self.url}: register its manifest "
+                            "with `dmtd variants register` first", delay=30) from e
+                    if current.status != "active":
+                        reg.promote(v.name)
+                    share = v.weight / 100.0
+                    if abs(current.traffic_weight - share) > 1e-9:
+                        reg.set_weight(v.name, share)
+                    tau_max = min(entry.tau_max, current.tau_max)
+                    tau_min = min(entry.tau_min, tau_max)
+                    if (current.tau_min, current.tau_max) != (tau_min, tau_max):
+                        reg.update(v.name, tau_min=tau_min, tau_max=tau_max)
+        except RegistryUnavailable as e:
+            raise kopf.TemporaryError(f"registry {self.url} unavailable: {e}", delay=15) from e
+
+    async def withdraw(self, namespace: str, deployment: str) -> None:
+        names = self.served.pop((namespace, deployment), [])
+        if names:
+            await asyncio.to_thread(self._zero_weights, names)
+        await self.mirror.withdraw(namespace, deployment)
+
+    def _zero_weights(self, names: list[str]) -> None:
+        from dmtd.registry import RegistryClient, VariantNotFound
+
+        with RegistryClient(self.url) as reg:
+            for name in names:
+                with contextlib.suppress(VariantNotFound):
+                    reg.set_weight(name, 0.0)

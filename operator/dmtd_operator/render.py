@@ -8,12 +8,11 @@ KubeRay's in-tree node autoscaler, which only provisions what pending actors nee
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
-
-import json
 
 from dmtd_operator import resources as r
 from dmtd_operator.spec import DMTDDeploymentSpec

@@ -12,7 +12,7 @@ from dmtd_operator.config import OperatorConfig
 from dmtd_operator.kube import HttpKubeApi, KubeApi
 from dmtd_operator.metrics import AnnotationMetricsSource, MetricsSource, NullMetricsSource
 from dmtd_operator.prometheus import PrometheusMetricsSource
-from dmtd_operator.registry import ConfigMapRegistry, NullRegistry, RegistryWriter
+from dmtd_operator.registry import ConfigMapRegistry, NullRegistry, RedisRegistry, RegistryWriter
 
 MEMO_KEY = "dmtd"
 
@@ -46,9 +46,13 @@ def build_runtime(config: OperatorConfig, credentials: Credentials) -> Runtime:
         metrics = AnnotationMetricsSource()
     else:
         metrics = NullMetricsSource()
-    registry: RegistryWriter = (
-        ConfigMapRegistry(api) if config.registry_writer == "configmap" else NullRegistry()
-    )
+    registry: RegistryWriter
+    if config.registry_writer == "redis":
+        registry = RedisRegistry(config.registry_url, mirror=ConfigMapRegistry(api))
+    elif config.registry_writer == "configmap":
+        registry = ConfigMapRegistry(api)
+    else:
+        registry = NullRegistry()
     return Runtime(config=config, api=api, metrics=metrics, registry=registry, credentials=credentials)
 
 
