@@ -7,12 +7,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-SHIPPED_VARIANTS = Path(__file__).resolve().parent / "variants" / "shipped"
+from dmtd.variants.paths import SHIPPED_VARIANTS  # noqa: E402 — after the environment defaults above
+
 EXIT_USAGE = 2
 
 
@@ -169,6 +169,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cost_report(args: argparse.Namespace) -> int:
+    from dmtd.telemetry.report import run_cost_report
+
+    run_cost_report(args)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from dmtd.variants.smollm2 import smollm2_dir
 
@@ -234,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the whole stack locally (Ray, registry, gateway, replicas)")
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+    from dmtd.telemetry.report import add_cost_report_args
+
+    cost = sub.add_parser("cost", help="cost model")
+    cr = cost.add_subparsers(dest="cost", required=True).add_parser(
+        "report", help="$/1M tokens, instances and $/month for a daily volume under an SLO, from a bench result")
+    add_cost_report_args(cr)
+    cr.set_defaults(func=cmd_cost_report)
     from dmtd.registry.cli import add_variants_parser
 
     add_variants_parser(sub)
