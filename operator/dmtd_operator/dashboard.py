@@ -15,57 +15,93 @@ from dmtd_operator import metric_names as m
 SEL = 'namespace=~"$namespace",deployment=~"$deployment"'
 
 
-def _p95_ms(hist: m.MetricName) -> str:
-    return f"histogram_quantile(0.95, sum by (deployment, le) (rate({hist.name}_bucket{{{SEL}}}[5m]))) * 1000"
+def _p95_ms(hist: m.MetricName, by: str = "deployment") -> str:
+    return f"histogram_quantile(0.95, sum by ({by}, le) (rate({hist.name}_bucket{{{SEL}}}[5m]))) * 1000"
 
 
 def _rate(counter: m.MetricName, by: str = "deployment") -> str:
     return f"sum by ({by}) (rate({counter.name}{{{SEL}}}[5m]))"
 
 
-def _mean(hist: m.MetricName) -> str:
-    rate = "sum by (deployment) (rate({name}{{" + SEL + "}}[5m]))"
+def _mean(hist: m.MetricName, by: str = "deployment") -> str:
+    rate = "sum by (" + by + ") (rate({name}{{" + SEL + "}}[5m]))"
     return f"{rate.format(name=hist.name + '_sum')} / {rate.format(name=hist.name + '_count')}"
 
 
-USD_PER_HOUR = (
-    f"sum by (deployment) ({m.REPLICAS_READY.name}{{{SEL}}}) * $gpus_per_replica * $usd_per_gpu_hour"
-)
+def _gauge(metric: m.MetricName, agg: str = "avg", by: str = "deployment") -> str:
+    return f"{agg} by ({by}) ({metric.name}{{{SEL}}})"
+
+
+VARIANT = "deployment, variant"
+USD_PER_HOUR = _gauge(m.COST_USD_PER_HOUR, "sum")
 
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     (
         "Latency SLOs",
         "ms",
         [
-            ("TTFT p95 {{deployment}}", _p95_ms(m.TTFT_SECONDS)),
-            ("ITL p95 {{deployment}}", _p95_ms(m.ITL_SECONDS)),
+            ("TTFT p95 {{deployment}}/{{variant}}", _p95_ms(m.TTFT_SECONDS, VARIANT)),
+            ("ITL p95 {{deployment}}/{{variant}}", _p95_ms(m.ITL_SECONDS, VARIANT)),
+            ("e2e p95 {{deployment}}/{{variant}}", _p95_ms(m.E2E_SECONDS, VARIANT)),
+        ],
+    ),
+    (
+        "SLO attainment",
+        "percentunit",
+        [
+            (
+                "SLO-compliant share {{deployment}}/{{variant}}",
+                f"{_rate(m.SLO_REQUESTS_TOTAL, VARIANT)} / "
+                f'sum by ({VARIANT}) (rate({m.REQUESTS_TOTAL.name}{{{SEL},code="OK"}}[5m]))',
+            ),
         ],
     ),
     (
         "Throughput",
         "short",
         [
-            ("tokens/s {{deployment}}", _rate(m.GENERATED_TOKENS_TOTAL)),
+            ("tokens/s {{deployment}}/{{variant}}", _rate(m.GENERATED_TOKENS_TOTAL, VARIANT)),
             ("requests/s {{deployment}}", _rate(m.REQUESTS_TOTAL)),
-            ("queued {{deployment}}", f"sum by (deployment) ({m.QUEUE_DEPTH.name}{{{SEL}}})"),
+            ("queued {{deployment}}", _gauge(m.QUEUE_DEPTH, "sum")),
+            ("in flight {{deployment}}", _gauge(m.INFLIGHT, "sum")),
         ],
     ),
     (
         "tau and block length k",
         "short",
         [
-            ("tau max {{deployment}}", f"avg by (deployment) ({m.TAU_MAX.name}{{{SEL}}})"),
-            ("tau min {{deployment}}", f"avg by (deployment) ({m.TAU_MIN.name}{{{SEL}}})"),
-            ("mean k {{deployment}}", _mean(m.BLOCK_LENGTH)),
+            ("tau in force {{deployment}}/{{variant}}", _gauge(m.TAU, "avg", VARIANT)),
+            ("tau max {{deployment}}", _gauge(m.TAU_MAX)),
+            ("tau min {{deployment}}", _gauge(m.TAU_MIN)),
+            ("mean k {{deployment}}/{{variant}}", _mean(m.BLOCK_LENGTH, VARIANT)),
+            ("gate {{deployment}}", _gauge(m.MIN_CONFIDENCE)),
+        ],
+    ),
+    (
+        "Block length k distribution",
+        "short",
+        [("k <= {{le}}", f"sum by (le) (rate({m.BLOCK_LENGTH.name}_bucket{{{SEL}}}[5m]))")],
+    ),
+    (
+        "Confidence cuts and head/tail steps",
+        "short",
+        [
+            ("cycles cut/s {{deployment}}", _rate(m.CYCLES_CUT_TOTAL)),
+            ("head steps/s {{deployment}}", _rate(m.HEAD_STEPS_TOTAL)),
+            ("tail steps/s {{deployment}}", _rate(m.TAIL_STEPS_TOTAL)),
+            ("engine steps/s {{kind}}", _rate(m.ENGINE_STEPS_TOTAL, "deployment, kind")),
         ],
     ),
     (
         "Replicas, batch and GPU utilisation",
         "short",
         [
-            ("ready replicas {{deployment}}", f"sum by (deployment) ({m.REPLICAS_READY.name}{{{SEL}}})"),
-            ("mean batch {{deployment}}", f"avg by (deployment) ({m.BATCH_SIZE.name}{{{SEL}}})"),
-            ("GPU util {{deployment}}", f"avg by (deployment) ({m.GPU_UTILIZATION.name}{{{SEL}}})"),
+            ("ready replicas {{deployment}}", _gauge(m.REPLICAS_READY, "sum")),
+            ("mean batch {{deployment}}", _gauge(m.BATCH_SIZE)),
+            ("KV occupancy {{deployment}}", _gauge(m.KV_CACHE_OCCUPANCY)),
+            ("GPU util {{deployment}}", _gauge(m.GPU_UTILIZATION)),
+            ("CPU util {{deployment}}", _gauge(m.CPU_UTILIZATION)),
+            ("GPU memory GiB {{deployment}}", f"{_gauge(m.GPU_MEMORY_USED_BYTES, 'sum')} / 2^30"),
         ],
     ),
     (
@@ -74,8 +110,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [
             ("$/hour {{deployment}}", USD_PER_HOUR),
             (
-                "$/1M tokens {{deployment}}",
-                f"({USD_PER_HOUR}) / ({_rate(m.GENERATED_TOKENS_TOTAL)} * 3600) * 1e6",
+                "$/1M tokens {{deployment}}/{{variant}}",
+                f"{_rate(m.COST_USD_TOTAL, VARIANT)} / {_rate(m.GENERATED_TOKENS_TOTAL, VARIANT)} * 1e6",
+            ),
+            (
+                "$ per SLO-compliant request {{deployment}}/{{variant}}",
+                f"{_rate(m.COST_USD_TOTAL, VARIANT)} / {_rate(m.SLO_REQUESTS_TOTAL, VARIANT)}",
+            ),
+            (
+                "GPU-seconds per request {{deployment}}/{{variant}}",
+                _mean(m.REQUEST_GPU_SECONDS, VARIANT),
             ),
         ],
     ),
@@ -92,16 +136,6 @@ def _variable(name: str, query: str) -> dict[str, Any]:
         "includeAll": True,
         "multi": True,
         "current": {"text": "All", "value": "$__all"},
-    }
-
-
-def _textbox(name: str, value: str, label: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "textbox",
-        "label": label,
-        "query": value,
-        "current": {"text": value, "value": value},
     }
 
 
@@ -139,8 +173,6 @@ def dashboard() -> dict[str, Any]:
                     "deployment",
                     f'label_values({m.REQUESTS_TOTAL.name}{{namespace=~"$namespace"}}, deployment)',
                 ),
-                _textbox("usd_per_gpu_hour", "2.5", "$ per GPU-hour"),
-                _textbox("gpus_per_replica", "1", "GPUs per replica"),
             ]
         },
         "panels": panels,

@@ -3,6 +3,8 @@ variant. ``build_app(args)`` is the import path KubeRay's serveConfigV2 and ``dm
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from ray import serve
 
 from dmtd.serve.controller import ControllerConfig
@@ -20,6 +22,10 @@ from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
 from dmtd.serve.openai_api import completion_chunk, completion_response, error_body, to_replica_request
 from dmtd.serve.requests import InvalidRequest
 from dmtd.serve.routing import Route, Router
+from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
+from dmtd.telemetry.gateway import GatewayTelemetry
+from dmtd.telemetry.logs import configure_json_logging
+from dmtd.web import asset_path
 
 http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas")
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503}
@@ -64,10 +70,18 @@ class Gateway:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
         grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64, registry_url: str | None = None,
+        telemetry: dict[str, Any] | None = None, replica_deployments: dict[str, str] | None = None,
     ) -> None:
         routes = {v["name"]: Route(v["name"], replicas[v["name"]], dict(v)) for v in variants}
-        self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight)
+        if telemetry is not None:
+            configure_json_logging()
+        self.telemetry = GatewayTelemetry(telemetry_settings(telemetry) if telemetry is not None
+                                          else TelemetrySettings(metrics_port=None))
+        self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight,
+                                self.telemetry)
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port)
+        self.replica_deployments = replica_deployments or {}
+        self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
         self.view: Any = None
         if registry_url:
             from dmtd.registry import RegistryClient, RegistryView
@@ -95,9 +109,45 @@ class Gateway:
         if default in router.routes:
             router.default = default
 
+    async def _follow_replicas(self, period_s: float = 2.0) -> None:
+        """Keep the replicas-ready gauge (and the dashboard's $/hour) at Serve's count of running replicas."""
+        from ray import serve
+
+        while True:
+            with contextlib.suppress(Exception):
+                app = serve.get_replica_context().app_name
+                deployments = serve.status().applications[app].deployments
+                for variant, dep in self.replica_deployments.items():
+                    states = deployments[dep].replica_states if dep in deployments else {}
+                    running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
+                    self.telemetry.replicas_ready[variant] = int(running)
+            await asyncio.sleep(period_s)
+
     async def info(self) -> dict[str, Any]:
         return {"grpc_port": self.grpc_port, "inflight": self.core.inflight, "accepted": self.core.accepted,
-                "completed": self.core.completed, "variants": self.core.router.infos()}
+                "completed": self.core.completed, "variants": self.core.router.infos(),
+                "metrics_url": self.telemetry.metrics_url}
+
+    async def finished_spans(self, trace_id: str | None = None) -> list[dict[str, Any]]:
+        """Finished spans held by the in-memory exporter (all, or one trace's)."""
+        return self.telemetry.tracing.finished_spans(trace_id)
+
+    @http_app.get("/dashboard")
+    async def dashboard(self) -> Any:
+        path = asset_path("dashboard.html")
+        assert path is not None, "dmtd.web is installed without its static assets"
+        return FileResponse(path, media_type="text/html")
+
+    @http_app.get("/dashboard/assets/{name}")
+    async def dashboard_asset(self, name: str) -> Any:
+        path = asset_path(name)
+        if path is None:
+            return JSONResponse({"error": f"no asset {name!r}"}, 404)
+        return FileResponse(path)
+
+    @http_app.get("/dashboard/stats")
+    async def dashboard_stats(self) -> dict[str, Any]:
+        return self.telemetry.stats()
 
     @http_app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -129,7 +179,7 @@ class Gateway:
         except GatewayError as e:
             return self._error(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        blocks = self.core.stream(route, req)
+        blocks = self.core.stream(route, req, traceparent=request.headers.get("traceparent"))
         if body.get("stream"):
             return StreamingResponse(self._sse(blocks, rid, route.name, chat), media_type="text/event-stream")
         text: list[str] = []
@@ -170,9 +220,14 @@ GatewayIngress = serve.ingress(http_app)(Gateway)
 
 def build_app(args: dict[str, Any]) -> Any:
     """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
-    ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``."""
+    ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``; telemetry:
+    any ``TelemetrySettings`` field (``deployment``, ``metrics_port``, ``trace_exporter``, ``otlp_endpoint``,
+    ``usd_per_gpu_hour``, ``gpus_per_replica`` …) at top level or in a ``telemetry`` dict."""
     variants = args.get("variants") or [{"name": "default", "variant": "none"}]
-    handles, infos = {}, []
+    handles, infos, deployments = {}, [], {}
+    telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
+    telemetry.update(args.get("telemetry") or {})
+    telemetry.setdefault("metrics_host", args.get("grpc_host", "127.0.0.1"))  # on Kubernetes: 0.0.0.0
     for i, v in enumerate(variants):
         factory = EngineFactory(variant=v.get("variant", v["name"]), model=v.get("model") or v.get("model_uri"),
                                 decoding_layers=v.get("decoding_layers"),
@@ -189,7 +244,8 @@ def build_app(args: dict[str, Any]) -> Any:
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options={"num_cpus": float(args.get("replica_num_cpus", 1))})
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
-                                      v["name"])
+                                      v["name"], telemetry)
+        deployments[v["name"]] = name
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
     actor: dict[str, Any] = {"num_cpus": 0}
@@ -198,4 +254,5 @@ def build_app(args: dict[str, Any]) -> Any:
     gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
                                     max_ongoing_requests=1000, ray_actor_options=actor)
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
-                        int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"))
+                        int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"),
+                        telemetry, deployments)

@@ -23,6 +23,8 @@ from dmtd.serve.convert import rechunk, to_token_block, to_variant_info
 from dmtd.serve.replica import Overloaded, RequestFailed
 from dmtd.serve.requests import InvalidRequest, ReplicaRequest, from_proto
 from dmtd.serve.routing import Route, Router, VariantNotFound
+from dmtd.telemetry.config import TelemetrySettings
+from dmtd.telemetry.gateway import GatewayTelemetry, RequestTelemetry
 from dmtd.v1 import generate_pb2 as pb
 from dmtd.v1 import generate_pb2_grpc as pb_grpc
 
@@ -48,8 +50,9 @@ def _unavailable_types() -> tuple[type[BaseException], ...]:
 class GatewayCore:
     """Routing, admission (bounded in-flight), streaming and error mapping shared by gRPC and HTTP."""
 
-    def __init__(self, router: Router, max_inflight: int) -> None:
+    def __init__(self, router: Router, max_inflight: int, telemetry: GatewayTelemetry | None = None) -> None:
         self.router, self.max_inflight = router, max_inflight
+        self.telemetry = telemetry or GatewayTelemetry(TelemetrySettings(metrics_port=None))
         self.inflight = 0
         self.accepted = 0
         self.completed = 0
@@ -58,30 +61,51 @@ class GatewayCore:
         try:
             route = self.router.resolve(variant)
         except VariantNotFound as e:
+            self.telemetry.rejected(variant, grpc.StatusCode.NOT_FOUND.name)
             raise GatewayError(grpc.StatusCode.NOT_FOUND, str(e)) from e
         if self.inflight >= self.max_inflight:
+            self.telemetry.rejected(route.name, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
             raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"gateway at capacity ({self.max_inflight} streams in flight); retry later", 250)
         return route
 
-    async def stream(self, route: Route, req: ReplicaRequest, min_tokens: int = 0,
-                     flush_ms: int = 0) -> AsyncIterator[dict[str, Any]]:
-        """Blocks of one request from its replica; cancelling this iteration cancels the replica's work."""
+    async def stream(self, route: Route, req: ReplicaRequest, min_tokens: int = 0, flush_ms: int = 0,
+                     traceparent: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Blocks of one request from its replica; cancelling this iteration cancels the replica's work.
+
+        The gateway span (child of ``traceparent`` when the caller sent one) travels to the replica in the
+        request dict; TTFT and per-token ITL are measured on the blocks as the client receives them."""
         self.inflight += 1
         self.accepted += 1
+        rt = self.telemetry.start(route.name, req.request_id, traceparent,
+                                  {"dmtd.max_new_tokens": req.max_new_tokens})
+        req.traceparent = rt.traceparent
         gen = route.handle.options(stream=True).generate.remote(req.to_dict())
         finished = False
+        code, error = "CANCELLED", None
         try:
-            async for block in rechunk(gen, min_tokens, flush_ms):
+            async for block in rechunk(self._cycles(gen, rt), min_tokens, flush_ms):
                 finished = bool(block.get("finish_reason"))
+                rt.delivered(len(block["token_ids"]))
                 yield block
             self.completed += 1
+            code = "OK"
         except Exception as raw:
-            raise self._map_error(route, raw) from raw
+            mapped = self._map_error(route, raw)
+            code, error = mapped.code.name if isinstance(mapped, GatewayError) else "INTERNAL", str(mapped)
+            raise mapped from raw
         finally:
             self.inflight -= 1
+            rt.finish(code, error)
             if not finished:
                 gen.cancel()
+
+    @staticmethod
+    async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
+        """The replica's blocks as they arrive (one per DMTD cycle), counted before any re-chunking."""
+        async for block in gen:
+            rt.cycle(block["k"], block["tau"], block.get("replica", ""))
+            yield block
 
 
     @staticmethod
@@ -113,6 +137,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             req = from_proto(request, arrival)
             route = self.core.admit(request.variant)
         except InvalidRequest as e:
+            self.core.telemetry.rejected(request.variant, grpc.StatusCode.INVALID_ARGUMENT.name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         except GatewayError as e:
@@ -120,7 +145,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             return
         first = True
         try:
-            async for block in self.core.stream(route, req, request.min_block_tokens, request.flush_interval_ms):
+            parent = dict(context.invocation_metadata() or ()).get("traceparent")
+            async for block in self.core.stream(route, req, request.min_block_tokens, request.flush_interval_ms,
+                                                str(parent) if parent else None):
                 ttft = (time.perf_counter() - t0) * 1e3 if first else None
                 first = False
                 yield to_token_block(block, route.name, ttft)

@@ -21,6 +21,9 @@ from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.requests import ReplicaRequest
+from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
+from dmtd.telemetry.logs import configure_json_logging
+from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 
 log = logging.getLogger("dmtd.replica")
 
@@ -62,14 +65,17 @@ class _Live:
     t_admit: float = 0.0
     t_admit_wall: float = 0.0
     t_last: float = 0.0
+    cycles_cut: int = 0
 
 
 class EngineLoop:
     """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
 
-    def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str) -> None:
+    def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
+                 telemetry: ReplicaTelemetry | None = None) -> None:
         self.engine, self.controller = engine, controller
         self.max_queued, self.replica_name = max_queued, replica_name
+        self.telemetry = telemetry
         self.live: dict[str, _Live] = {}
         self._adds: list[str] = []
         self._aborts: set[str] = set()
@@ -89,6 +95,15 @@ class EngineLoop:
                 "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name}
+
+    def state(self) -> ReplicaState:
+        """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
+        c, d, e = self.controller.cfg, self.controller.decision, self.engine
+        capacity = e.cfg.max_num_seqs * e.cfg.max_model_len
+        used = sum(s.num_tokens for s in list(e.scheduler.running))
+        return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
+                            kv_occupancy=used / capacity if capacity else 0.0, tau=d.tau, tau_min=c.tau_min,
+                            tau_max=c.tau_max, min_confidence=d.min_confidence)
 
     # -- requests ------------------------------------------------------------------------------
     def _bounds(self, req: ReplicaRequest) -> tuple[int, int]:
@@ -113,6 +128,10 @@ class EngineLoop:
         lo, hi = self._bounds(req)
         live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
         self.live[req.request_id] = live
+        tel = self.telemetry
+        if tel is not None:
+            tel.on_arrival(req.request_id, req.traceparent, {"dmtd.tau_bounds": f"{lo}..{hi}",
+                                                             "dmtd.max_new_tokens": req.max_new_tokens})
         self._adds.append(req.request_id)
         self._ensure_task()
         self._wake.set()
@@ -129,6 +148,8 @@ class EngineLoop:
                 # cancelled or failed mid-stream: the engine frees the slot before its next step
                 self._aborts.add(req.request_id)
                 self._wake.set()
+            if tel is not None:
+                tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
@@ -151,10 +172,15 @@ class EngineLoop:
         except RequestError as e:
             self.live.pop(rid, None)
             live.queue.put_nowait(RequestFailed(e.field, str(e)))
+            if self.telemetry is not None:
+                self.telemetry.on_finish(rid, "error", error=str(e))
             return
         live.prompt_tokens = self.engine.seqs[rid].prompt_len
         live.t_admit_wall = time.time()
         live.t_admit = live.t_last = time.perf_counter()
+        if self.telemetry is not None:
+            self.telemetry.on_admit(rid, live.prompt_tokens, tau, conf,
+                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -170,6 +196,7 @@ class EngineLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            t_step = time.perf_counter()
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception as e:  # an engine bug must not hang every stream
@@ -180,9 +207,18 @@ class EngineLoop:
                 continue
             self.num_steps += 1
             now = time.perf_counter()
+            if self.telemetry is not None:
+                self._observe_step(outputs, now - t_step)
             for o in outputs:
                 self._dispatch(o, now)
             self._apply_controller()
+
+    def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
+        assert self.telemetry is not None
+        prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
+        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [o.req_id for o in outputs])
+        heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
+        self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
 
     def _dispatch(self, o: StepOutput, now: float) -> None:
         live = self.live.get(o.req_id)
@@ -209,8 +245,13 @@ class EngineLoop:
         }
         live.text, live.t_last = [], now
         live.block_index += 1
+        seq = self.engine.seqs.get(o.req_id)
+        if self.telemetry is not None:
+            cut = seq is not None and seq.num_cycles_cut > live.cycles_cut
+            live.cycles_cut = seq.num_cycles_cut if seq is not None else live.cycles_cut
+            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block["block_index"], cut, min(confs),
+                                    interval_ms)
         if o.finished:
-            seq = self.engine.seqs.get(o.req_id)
             block["finish_reason"] = o.finish_reason or "stop"
             block["error"] = o.error
             block["usage"] = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.num_tokens,
@@ -218,6 +259,8 @@ class EngineLoop:
                               "cycles_cut": seq.num_cycles_cut if seq else 0}
             self.engine.release(o.req_id)
             self.live.pop(o.req_id, None)
+            if self.telemetry is not None:
+                self.telemetry.on_finish(o.req_id, block["finish_reason"], block["usage"], o.error)
         live.queue.put_nowait(block)
 
     def _apply_controller(self) -> None:
@@ -254,10 +297,18 @@ class DMTDReplica:
     """
 
     def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
-                 registry_url: str | None = None, variant: str | None = None) -> None:
+                 registry_url: str | None = None, variant: str | None = None,
+                 telemetry: dict[str, Any] | None = None) -> None:
         engine, cfg = engine_factory()
         self.name = name or f"replica-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name)
+        if telemetry is not None:  # built by the app: JSON logs, a Prometheus endpoint, the configured exporter
+            configure_json_logging()
+            settings = telemetry_settings(telemetry)
+        else:
+            settings = TelemetrySettings(metrics_port=None)
+        self.telemetry = ReplicaTelemetry(settings, self.name, variant or "default", self.loop.state)
+        self.loop.telemetry = self.telemetry
         self.registry_url, self.variant = registry_url, variant
         self._view: Any = None
         self.registry_revision = 0
@@ -293,11 +344,20 @@ class DMTDReplica:
             async for block in blocks:
                 yield block
 
+    async def metrics_url(self) -> str | None:
+        """Where this replica's Prometheus endpoint listens (None: not served)."""
+        return self.telemetry.metrics_url
+
+    async def finished_spans(self, trace_id: str | None = None) -> list[dict[str, Any]]:
+        """Finished spans held by the in-memory exporter (all, or one trace's)."""
+        return self.telemetry.finished_spans(trace_id)
+
     async def stats(self) -> dict[str, Any]:
         await self.follow_registry()
         return {**self.loop.stats(), "registry_revision": self.registry_revision,
                 "tau_bounds": (self.loop.controller.cfg.tau_min, self.loop.controller.cfg.tau_max),
-                "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence}
+                "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence,
+                "metrics_url": self.telemetry.metrics_url}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve ``user_config``: τ bounds and gate from the operator or the registry; no restart."""

@@ -47,6 +47,7 @@ class ReplicaRequest:
     min_confidence: float | None = None
     profile: str = "adaptive"
     arrival_s: float = 0.0
+    traceparent: str = ""  # W3C trace context of the gateway span: the replica span becomes its child
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
