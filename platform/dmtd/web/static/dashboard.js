@@ -21,10 +21,12 @@ function setup(canvas) {
   return ctx;
 }
 
+const TOP = 26;  // room for the legend above the plot
+
 function axes(ctx, w, h, pad, ymax, unit) {
   ctx.strokeStyle = "#999"; ctx.fillStyle = "#555";
-  ctx.beginPath(); ctx.moveTo(pad, 8); ctx.lineTo(pad, h - pad); ctx.lineTo(w - 8, h - pad); ctx.stroke();
-  ctx.fillText(fmt(ymax, ymax < 10 ? 2 : 0) + (unit || ""), 2, 14);
+  ctx.beginPath(); ctx.moveTo(pad, TOP); ctx.lineTo(pad, h - pad); ctx.lineTo(w - 8, h - pad); ctx.stroke();
+  ctx.fillText(fmt(ymax, ymax < 10 ? 2 : 0) + (unit || ""), 2, TOP + 4);
   ctx.fillText("0", pad - 10, h - pad);
 }
 
@@ -36,15 +38,19 @@ function bars(canvas, groups, series) {
   canvas.dataset.points = String(series.reduce((n, s) => n + s.values.filter(v => v > 0).length, 0));
   axes(ctx, w, h, pad, ymax || 1);
   if (!groups.length || !ymax) return;
-  const gw = (w - pad - 16) / groups.length, bw = Math.max(2, (gw - 8) / Math.max(1, series.length));
+  const gw = (w - pad - 16) / groups.length;
+  const bw = Math.min(56, Math.max(2, (gw - 12) / Math.max(1, series.length)));
   groups.forEach((g, i) => {
+    const x0 = pad + 4 + i * gw + (gw - bw * series.length) / 2;
     series.forEach((s, j) => {
-      const v = s.values[i] || 0, bh = (h - pad - 12) * v / ymax;
+      const v = s.values[i] || 0, bh = (h - pad - TOP) * v / ymax;
       ctx.fillStyle = COLORS[j % COLORS.length];
-      ctx.fillRect(pad + 4 + i * gw + j * bw, h - pad - bh, bw - 1, bh);
+      ctx.fillRect(x0 + j * bw, h - pad - bh, bw - 1, bh);
+      ctx.fillStyle = "#333";
+      if (v > 0) ctx.fillText(fmt(v, v < 10 ? 1 : 0), x0 + j * bw, h - pad - bh - 3);
     });
     ctx.fillStyle = "#333";
-    ctx.fillText(g, pad + 4 + i * gw + gw / 2 - 6, h - pad + 14);
+    ctx.fillText(g, pad + 4 + i * gw + gw / 2 - 10, h - pad + 14);
   });
   legend(ctx, series.map(s => s.name), w);
 }
@@ -61,7 +67,7 @@ function lines(canvas, xs, series, unit) {
     ctx.strokeStyle = COLORS[j % COLORS.length]; ctx.lineWidth = 2; ctx.beginPath();
     s.values.forEach((v, i) => {
       const x = pad + (w - pad - 12) * (xs.length > 1 ? (xs[i] - x0) / dx : 1);
-      const y = h - pad - (h - pad - 12) * (v || 0) / ymax;
+      const y = h - pad - (h - pad - TOP) * (v || 0) / ymax;
       if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
     });
     ctx.stroke();
@@ -71,11 +77,12 @@ function lines(canvas, xs, series, unit) {
 }
 
 function legend(ctx, names, w) {
+  const pad0 = Math.max(40, w - 140 * names.length - 8);
   names.forEach((n, j) => {
     ctx.fillStyle = COLORS[j % COLORS.length];
-    ctx.fillRect(w - 150, 10 + j * 14, 10, 10);
+    ctx.fillRect(pad0 + j * 140, 6, 10, 10);
     ctx.fillStyle = "#333";
-    ctx.fillText(n, w - 136, 19 + j * 14);
+    ctx.fillText(n, pad0 + 14 + j * 140, 15);
   });
 }
 
