@@ -22,6 +22,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
+    p.add_argument("--metrics-port", type=int, default=9464,
+                   help="Prometheus port of the gateway; replicas take the next free ports")
+    p.add_argument("--trace-exporter", choices=["memory", "console", "otlp", "none"], default=None,
+                   help="where spans go (default: in memory, or OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
+    p.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP traces endpoint, e.g. http://HOST:4318/v1/traces")
+    p.add_argument("--replica-type", default="cpu", help="price key of the replicas (docs/cost.md)")
     p.add_argument("--demo", action="store_true",
                    help="start, stream one chat answer over gRPC, print tokens/s and block lengths, stop")
 
@@ -79,11 +85,28 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
                       "replicas": args.replicas}],
         "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
-        "itl_slo_ms": args.itl_slo_ms, "registry_url": url,
+        "itl_slo_ms": args.itl_slo_ms, "registry_url": url, "metrics_port": getattr(args, "metrics_port", 9464),
+        "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,
+        "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
+        "replica_type": getattr(args, "replica_type", None),
     })
     serve.run(app, name="dmtd", route_prefix="/")
     return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"http://{args.host}:{args.http_port}",
-            "registry": url}
+            "registry": url, "metrics": metrics_urls(args.replicas)}
+
+
+def metrics_urls(replicas: int) -> list[str]:
+    """The gateway's Prometheus URL, then each replica's (asked through the handle until all answered)."""
+    from ray import serve
+
+    urls = [serve.get_deployment_handle("Gateway", app_name="dmtd").info.remote().result()["metrics_url"]]
+    handle = serve.get_deployment_handle("DMTDReplica", app_name="dmtd")
+    seen: set[str] = set()
+    for _ in range(16 * max(1, replicas)):
+        seen.add(handle.metrics_url.remote().result())
+        if len(seen - {None}) >= replicas:
+            break
+    return [u for u in urls + sorted(seen) if u]
 
 
 def stop_stack() -> None:
@@ -131,6 +154,8 @@ dmtd is serving variant {info['variant']!r}
   gRPC   {info['grpc']}   (dmtd.v1.GenerateService, grpc.health.v1, reflection)
   HTTP   {info['http']}/v1   (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
   registry {info['registry']}   (dmtd variants list --registry '{info['registry']}')
+  dashboard {info['http']}/dashboard   (live $/1M tokens, tokens/s, TTFT/ITL, τ and k)
+  metrics  {'  '.join(info['metrics'])}   (Prometheus: gateway, then replicas)
 
 Try:
   dmtd generate --server {info['grpc']} --chat "Hello!"
