@@ -123,6 +123,17 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
             ),
         ],
     ),
+    (
+        "Cost by tau (engine busy time)",
+        "currencyUSD",
+        [
+            (
+                "$/1M tokens {{variant}} tau={{tau}}",
+                f"{_rate(m.BUSY_COST_USD_TOTAL, 'variant, tau')} / "
+                f"sum by (variant, tau) (rate({m.BLOCK_LENGTH.name}_sum{{{SEL}}}[5m])) * 1e6",
+            ),
+        ],
+    ),
 ]
 
 

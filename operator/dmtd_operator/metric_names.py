@@ -120,6 +120,11 @@ COST_USD_TOTAL = MetricName(
     "dmtd_cost_usd_total", "counter", "Dollars the replica has cost since it started (uptime x price).",
     REPLICA_LABELS,
 )
+BUSY_COST_USD_TOTAL = MetricName(
+    "dmtd_busy_cost_usd_total", "counter",
+    "Dollars of engine-step time, booked to the tau of each sequence in the step (split evenly per sequence).",
+    (*REPLICA_LABELS, "tau"),
+)
 
 ALL: tuple[MetricName, ...] = (
     REQUESTS_TOTAL,
@@ -148,6 +153,7 @@ ALL: tuple[MetricName, ...] = (
     REQUEST_GPU_SECONDS,
     COST_USD_PER_HOUR,
     COST_USD_TOTAL,
+    BUSY_COST_USD_TOTAL,
 )
 
 PREFIX = "dmtd_"

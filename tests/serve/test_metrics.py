@@ -69,6 +69,8 @@ def test_counts_and_sums_match_the_traffic(stack):
     by_tau = sum(v for k, v in r1.items() if k.startswith("dmtd_block_length_count{tau="))
     assert by_tau == r1["dmtd_block_length_count"]
     assert d(r1, r0, "dmtd_engine_steps_total{kind=prefill}") >= 1
+    taus = {b.tau for st in streams.values() for b in st}
+    assert all(d(r1, r0, f"dmtd_busy_cost_usd_total{{tau={t}}}") > 0 for t in taus)
 
     assert d(g1, g0, "dmtd_ttft_seconds_count") == 3 == d(g1, g0, f"dmtd_ttft_seconds_count{{variant={VARIANT}}}")
     assert d(g1, g0, "dmtd_itl_seconds_count") == tokens - first_k

@@ -52,6 +52,8 @@ def test_replica_span_is_the_callers_child_and_metrics_add_up():
     assert s["dmtd_block_length_count"] == len(blocks)
     assert s["dmtd_head_steps_total"] + s["dmtd_tail_steps_total"] == 10
     assert s["dmtd_request_gpu_seconds_count"] == 1 and s["dmtd_cost_usd_per_hour"] == 0.10
+    # busy-time cost: every step's share at $0.10/hour, equal to the request's GPU-seconds at that price
+    assert s["dmtd_busy_cost_usd_total"] == pytest.approx(s["dmtd_request_gpu_seconds_sum"] / 3600 * 0.10)
     assert rep.telemetry.metrics_url is None  # plain construction serves no port
 
 

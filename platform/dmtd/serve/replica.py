@@ -216,7 +216,7 @@ class EngineLoop:
     def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
         assert self.telemetry is not None
         prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
-        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [o.req_id for o in outputs])
+        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.cycle_len) for o in outputs])
         heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
         self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
 

@@ -107,18 +107,23 @@ class ReplicaTelemetry:
             r.span.add_event("admitted", {"prompt_tokens": prompt_tokens, "tau": tau,
                                           "min_confidence": min_confidence, "queue_ms": queue_ms})
 
-    def on_step(self, kind: str, wall_s: float, request_ids: list[str]) -> None:
-        """One engine step over ``request_ids``: its accelerator time is shared among them."""
+    def on_step(self, kind: str, wall_s: float, rows: list[tuple[str, int]]) -> None:
+        """One engine step over ``rows`` (request id, τ): its accelerator time is shared evenly among them,
+        and its cost is booked to each row's τ."""
         self.ins.add(m.ENGINE_STEPS_TOTAL, 1, kind=kind)
-        share = wall_s * self.gpu_units / max(1, len(request_ids))
-        for rid in request_ids:
+        share = wall_s * self.gpu_units / max(1, len(rows))
+        usd_by_tau: dict[int, float] = {}
+        for rid, tau in rows:
+            usd_by_tau[tau] = usd_by_tau.get(tau, 0.0) + share / self.gpu_units / 3600.0 * self.usd_per_hour
             r = self.requests.get(rid)
             if r is None:
                 continue
             r.gpu_s += share
             if kind == "prefill" and not r.prefilled:
                 r.prefilled = True
-                r.span.add_event("prefill", {"step_ms": wall_s * 1e3, "batch": len(request_ids)})
+                r.span.add_event("prefill", {"step_ms": wall_s * 1e3, "batch": len(rows)})
+        for tau, usd in usd_by_tau.items():
+            self.ins.add(m.BUSY_COST_USD_TOTAL, usd, tau=str(tau))
 
     def on_tokens(self, num_heads: int, num_tails: int) -> None:
         self.ins.add(m.HEAD_STEPS_TOTAL, num_heads)

@@ -7,6 +7,7 @@ keeps the last N finished spans in process (``finished_spans()``), which tests a
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -95,7 +96,7 @@ def setup_tracing(settings: TelemetrySettings, service: str, attributes: dict[st
         memory = RingSpanExporter(settings.trace_buffer_spans)
         provider.add_span_processor(SimpleSpanProcessor(memory))
     elif settings.trace_exporter == "console":
-        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))  # today's stdout
     elif settings.trace_exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
