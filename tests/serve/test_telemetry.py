@@ -99,3 +99,20 @@ def test_new_trace_without_caller_context_and_logs_correlate(stack):
     for rec in found.values():
         assert rec["request_id"] == rid and rec["trace_id"] == gw["trace_id"] and rec["msg"] == "request finished"
     assert found["dmtd.replica.requests"]["completion_tokens"] == 6 and found["dmtd.gateway.requests"]["tokens"] == 6
+
+
+def test_openai_http_request_joins_the_callers_trace(stack):
+    import urllib.request
+
+    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    body = json.dumps({"model": VARIANT, "prompt": "The sea is", "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(stack.http_url + "/v1/completions", body, method="POST",
+                                 headers={"content-type": "application/json",
+                                          "traceparent": f"00-{trace_id}-{span_id}-01"})
+    reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    assert reply["usage"]["completion_tokens"] >= 1
+    (gw,) = [s for s in spans_of(stack, "Gateway", trace_id, {"dmtd.gateway.generate"})
+             if s["name"] == "dmtd.gateway.generate"]
+    assert gw["parent_span_id"] == span_id
+    rep = spans_of(stack, "DMTDReplica", trace_id, {"dmtd.replica.generate"})
+    assert [s["parent_span_id"] for s in rep] == [gw["span_id"]]

@@ -175,6 +175,7 @@ class Gateway:
         except json.JSONDecodeError:
             return JSONResponse(error_body("body is not valid JSON", "invalid_request_error"), 400)
         except InvalidRequest as e:
+            self.telemetry.rejected("", "INVALID_ARGUMENT")
             return JSONResponse(error_body(str(e), "invalid_request_error", e.field), 400)
         except GatewayError as e:
             return self._error(e)

@@ -80,10 +80,11 @@ class GatewayCore:
         rt = self.telemetry.start(route.name, req.request_id, traceparent,
                                   {"dmtd.max_new_tokens": req.max_new_tokens})
         req.traceparent = rt.traceparent
-        gen = route.handle.options(stream=True).generate.remote(req.to_dict())
         finished = False
         code, error = "CANCELLED", None
+        gen: Any = None
         try:
+            gen = route.handle.options(stream=True).generate.remote(req.to_dict())
             async for block in rechunk(self._cycles(gen, rt), min_tokens, flush_ms):
                 finished = bool(block.get("finish_reason"))
                 rt.delivered(len(block["token_ids"]))
@@ -97,7 +98,7 @@ class GatewayCore:
         finally:
             self.inflight -= 1
             rt.finish(code, error)
-            if not finished:
+            if not finished and gen is not None:
                 gen.cancel()
 
     @staticmethod
