@@ -25,12 +25,14 @@ demo: setup
 
 lint: $(STAMP)
 	$(BIN)/ruff check platform operator tests
-	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants platform/dmtd/registry platform/dmtd/serve platform/dmtd/client.py operator/dmtd_operator
+	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants platform/dmtd/registry platform/dmtd/serve platform/dmtd/telemetry platform/dmtd/web platform/dmtd/client.py \
+		operator/dmtd_operator
 	$(BIN)/lint-imports
 
 test: setup lint
 	bash scripts/install-helm.sh
 	bash scripts/install-redis.sh
+	bash scripts/install-chromium.sh
 	bash scripts/check-proto.sh
 	$(BIN)/python -m pytest -q
 
