@@ -66,6 +66,8 @@ def serve_config(t: Target) -> Body:
                     "grpc_host": "0.0.0.0",
                     "grpc_port": r.GATEWAY_GRPC_PORT,
                     "gateway_resources": {r.GATEWAY_RESOURCE: 1},
+                    "usd_per_gpu_hour": s.cost.usd_per_gpu_hour,
+                    "replica_type": s.resources.gpu_type or "gpu",
                 },
                 "deployments": [
                     {
