@@ -166,7 +166,7 @@ def ray_service(t: Target) -> Body:
 
 
 def gateway_service(t: Target) -> Body:
-    """ClusterIP Service in front of the Serve proxies (gRPC stream + HTTP)."""
+    """ClusterIP Service on the head pod: the Gateway deployment's gRPC server and Serve's HTTP proxy there."""
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -230,9 +230,7 @@ class LLMEngine:
 
     def release(self, req_id: str) -> None:
         """Drop a finished request's bookkeeping."""
-        self.seqs.pop(req_id, None)
-        self._detok.pop(req_id, None)
-        self._gens.pop(req_id, None)
+        self._forget(req_id)
 
     # -- conveniences ---------------------------------------------------------------------------
     def stream(self, prompt: str | list[int] | list[dict[str, str]],

@@ -40,8 +40,10 @@ class ModelRunner:
         dev = self.device
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         read_len = int(positions.max()) + 1
-        keys = torch.arange(read_len, device=dev)
-        mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1) if B > 1 or S > 1 else None
+        mask = None  # a single row at a single position attends to every key up to read_len
+        if B > 1 or S > 1:
+            keys = torch.arange(read_len, device=dev)
+            mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         cos, sin = self.model.rope(positions)
         if valid is None:
             write_slots, write_pos, rows = slot_t.repeat_interleave(S), positions.reshape(-1), None
