@@ -108,7 +108,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             t_first = time.perf_counter()
         if out.error:
             raise UsageError(out.error)
-        tokens.append(out.token_id)
+        if out.token_id >= 0:  # -1: a tail token the confidence gate dropped (redone at a head)
+            tokens.append(out.token_id)
         text.append(out.text_delta)
         if not args.json:
             print(out.text_delta, end="", flush=True)

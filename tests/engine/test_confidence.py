@@ -1,4 +1,4 @@
-"""Confidence-adaptive cycles: a low-confidence tail token ends the cycle early."""
+"""Confidence-adaptive cycles: a low-confidence tail token is dropped and its position redone at a head."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tests.conftest import tiny_engine, tiny_model
 from tests.engine.test_refill import reference_logits
 
 
-def run(min_conf: float, tau: int, anchor: str = "prompt_end"):
-    model = tiny_model(seed=5)
+def run(min_conf: float, tau: int, anchor: str = "prompt_end", seed: int = 5):
+    model = tiny_model(seed=seed)
     dmtd = DMTDConfig(0, 4, 2, tau_max=4, phase_anchor=anchor, head_input="residual_add")
     prompt = list(range(3, 15))
     res = tiny_engine(model, dmtd).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=tau,
@@ -36,32 +36,30 @@ def test_min_confidence_zero_gives_fixed_cycles():
         assert res.head_flags == [(i % tau) == 0 for i in range(30)]
 
 
-def test_gate_cuts_exactly_at_low_confidence_tail_tokens():
-    threshold = 0.5
-    model, dmtd, prompt, res = run(threshold, 4)
-    confs = res.confidences
-    # Reconstruct the schedule from the rule: token i (0-based generated) sits at position P+i. A block
-    # starts at a head; token j of the block (j < τ-1) below the threshold closes it.
-    expected_heads, expected_blocks, block = [], [], []
-    head_next = True
-    for i, c in enumerate(confs):
-        expected_heads.append(head_next)
-        if head_next:
-            since_head = 0
-        block.append(res.token_ids[i])
-        since_head += 1
-        head_next = since_head == 4 or c < threshold
-        if head_next or i == len(confs) - 1:
-            expected_blocks.append(block)
-            block = []
-    assert res.head_flags == expected_heads
-    assert res.blocks == expected_blocks
-    assert 1 < len(res.blocks) < 30  # the gate did cut some cycles, not all
-    # and the gated schedule is still exactly the masked forward with those heads
-    ref = reference_logits(model, dmtd, prompt, res.token_ids, res.head_flags, 4)
+def test_gate_drops_low_confidence_tail_tokens_and_redoes_them_at_heads():
+    threshold, tau = 0.7, 4  # seed 2's tail confidences spread over 0.4..1.0
+    model, dmtd, prompt, res = run(threshold, tau, seed=2)
+    confs, heads = res.confidences, res.head_flags
+    # every emitted token is a head's or a confident tail's
+    assert all(h or c >= threshold for h, c in zip(heads, confs))
+    # blocks start at heads and hold at most τ tokens
+    starts = [i for i, h in enumerate(heads) if h]
+    assert starts[0] == 0
+    assert [len(b) for b in res.blocks] == [b - a for a, b in zip(starts, starts[1:] + [len(heads)])]
+    assert max(len(b) for b in res.blocks) <= tau and sum(map(len, res.blocks)) == 30
+    cut = [i for a, i in zip(starts, starts[1:]) if i - a < tau]  # blocks closed early by the gate
+    assert cut and any(len(b) > 1 for b in res.blocks)  # the gate cut some cycles, not all
+    # the realised schedule is exactly the masked forward with those heads (tokens and confidences)
+    ref = reference_logits(model, dmtd, prompt, res.token_ids, heads, tau)
     assert ref.argmax(-1).tolist() == res.token_ids
     probs = torch.softmax(ref, -1).max(-1).values
     torch.testing.assert_close(probs, torch.tensor(confs), rtol=1e-4, atol=1e-5)
+    # and each early head replaced a tail prediction that fell below the threshold
+    for i in cut:
+        as_tail = list(heads)
+        as_tail[i] = False
+        p_tail = torch.softmax(reference_logits(model, dmtd, prompt, res.token_ids, as_tail, tau)[i], -1).max()
+        assert float(p_tail) < threshold
 
 
 def test_cycle_length_change_takes_effect_at_next_head():

@@ -61,17 +61,30 @@ def test_absolute_anchor_heads_on_multiples_of_tau():
     assert heads == [p % 3 == 0 for p in range(4, 11)]
 
 
-def test_low_confidence_cuts_cycle():
+def test_low_confidence_tail_token_is_dropped_and_redone_at_a_head():
     s = make()
     s.add(seq("a", n=4, tau=4, max_new_tokens=6, min_confidence=0.5))
-    confs = [0.9, 0.2, 0.9, 0.9, 0.9, 0.9]
-    heads = []
-    for c in confs:
+    confs = [0.9, 0.9, 0.2, 0.9, 0.9, 0.9, 0.9]
+    evs = []
+    for i, c in enumerate(confs):
         out = s.schedule()
-        ev = s.postprocess(out, [7], [c], eos_ids=set())
-        heads.append(ev[0].is_head)
-    # token 0 (conf .9) at a tail, token 1 (conf .2) cuts: the position holding token 1 becomes a head
-    assert heads == [True, False, True, False, False, False]
+        evs += s.postprocess(out, [10 + i], [c], eos_ids=set())
+    # step 2 (a tail, conf .2) is dropped: no token, the block so far closes, and the same position
+    # runs again as a head at step 3
+    assert [e.token_id for e in evs] == [10, 11, -1, 13, 14, 15, 16]
+    assert [e.is_head for e in evs] == [True, False, False, True, False, False, False]
+    assert evs[2].position == evs[3].position == 5
+    assert evs[2].block == [10, 11] and evs[-1].block == [13, 14, 15, 16]
+    assert evs[-1].finished and evs[-1].finish_reason == "length"
+    seq_a = evs[-1]
+    assert seq_a.req_id == "a"
+    # a low-confidence token from a head is kept: the gate only judges tail predictions
+    s.add(seq("b", n=4, tau=2, max_new_tokens=3, min_confidence=0.5))
+    toks = []
+    for c in (0.1, 0.9, 0.1):
+        out = s.schedule()
+        toks += [e.token_id for e in s.postprocess(out, [7], [c], eos_ids=set())]
+    assert toks == [7, 7, 7]
 
 
 def test_stop_token_and_eos():

@@ -192,7 +192,7 @@ class LLMEngine:
         seq = self.seqs[ev.req_id]
         det = self._detok.get(ev.req_id)
         delta = ""
-        if det is not None and not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):
+        if det is not None and ev.token_id >= 0 and not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):
             delta = det.push(ev.token_id)
             hit = self._find_stop(det.text, seq.params.stop, len(delta))
             if hit is not None:

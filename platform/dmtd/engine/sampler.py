@@ -6,6 +6,8 @@ import torch
 
 from dmtd.engine.sequence import SamplingParams
 
+_NUCLEUS_PROBE = 1024  # candidates ranked by topk before resorting to a full sort for top-p
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> tuple[list[int], list[float], list[bool]]:
@@ -21,18 +23,51 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     finite = torch.isfinite(conf)
     conf = conf.nan_to_num(0.0)
     tokens = greedy_tok.tolist()
-    safe = logits
-    for i, p in enumerate(params):
-        if p.greedy or not bool(finite[i]):
-            continue
-        row = torch.nan_to_num(safe[i]) / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, idx = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p
-            row = row.scatter(0, idx, sorted_logits.masked_fill(drop, float("-inf")))
-        tokens[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=generators[i]))
+    rows = [i for i, p in enumerate(params) if not p.greedy and bool(finite[i])]
+    if rows:
+        probs = filtered_probs(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows])
+        for i, t in zip(rows, draw(probs, [generators[i] for i in rows])):
+            tokens[i] = t
     return tokens, conf.tolist(), finite.tolist()
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, then top-p. [B, V] -> [B, V]."""
+    dev = logits.device
+    x = torch.nan_to_num(logits.float())
+    x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    ks = [min(p.top_k, x.shape[-1]) for p in params]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values
+        k_idx = torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None]
+        cut = kth.gather(1, k_idx).masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None],
+                                                float("-inf"))
+        x = x.masked_fill(x < cut, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)[:, None]
+        # The nucleus nearly always lies in the top few hundred tokens: rank those with topk (much cheaper
+        # than sorting the vocabulary) and fall back to a full sort only when some row's does not.
+        k0 = min(x.shape[-1], _NUCLEUS_PROBE)
+        sorted_logits, idx = torch.topk(x, k0, dim=-1)
+        sp = torch.exp(sorted_logits - torch.logsumexp(x, dim=-1, keepdim=True))
+        cum = sp.cumsum(-1)
+        if k0 < x.shape[-1] and bool((cum[:, -1:] < top_p).any()):
+            sorted_logits, idx = torch.sort(x, dim=-1, descending=True)
+            sp = torch.softmax(sorted_logits, dim=-1)
+            cum = sp.cumsum(-1)
+        keep = sorted_logits.masked_fill(cum - sp >= top_p, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, idx, keep) if k0 < x.shape[-1] else x.scatter(1, idx, keep)
+    return torch.softmax(x, dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row by inverse CDF: one uniform from each row's own generator, one batched search.
+
+    (``torch.multinomial`` per row costs ~25 ms for a 49k vocabulary on this CPU; this costs ~1 ms.)
+    """
+    dev = probs.device
+    u = torch.cat([torch.rand(1, generator=g, device=dev) for g in generators])
+    cdf = probs.cumsum(-1)
+    # right=True: the first index whose CDF exceeds u·total — never a zero-probability token
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    return idx.clamp(max=probs.shape[-1] - 1)[:, 0].tolist()

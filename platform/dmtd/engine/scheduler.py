@@ -39,7 +39,7 @@ class TokenEvent:
     position: int  # position whose logits produced the token
     is_head: bool
     confidence: float
-    block: list[int] | None = None  # set when this token completes a cycle's block
+    block: list[int] | None = None  # set when this token completes a cycle's block (or a cut closes it)
     block_confidences: list[float] | None = None
     finished: bool = False
     finish_reason: str | None = None
@@ -53,7 +53,7 @@ class Scheduler:
         self.dmtd = dmtd
         # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
         # batched tail step reads only the decoding layers' weights. A row's first cycle after its
-        # prompt, and the cycle after a confidence cut, are shortened to meet the shared clock.
+        # prompt, and the cycle after a confidence cut's head, are shortened to meet the shared clock.
         self.align_phases = align_phases and dmtd.phase_anchor == "prompt_end"
         self.num_decode_steps = 0
         self.max_num_seqs = max_num_seqs
@@ -109,12 +109,28 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, tokens: list[int], confidences: list[float],
                     eos_ids: set[int]) -> list[TokenEvent]:
-        """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire."""
+        """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire.
+
+        The gate (ConfAdapt inside a cycle): a token sampled at a tail position with top-1 probability
+        below the request's ``min_confidence`` is dropped, and the same position runs again at the next
+        step as a head — the full stack predicts it instead. Its event carries ``token_id = -1`` and
+        closes the block of the tokens accepted so far. Every emitted token is then either a head's or
+        a confident tail's, and the realised schedule is still exactly a masked forward with those heads.
+        """
         events = []
         # the decode step at which this batch's positions count as processed (prefill: just before the next)
         step = self.num_decode_steps - 1 if out.is_prefill else self.num_decode_steps
         for seq, tok, conf in zip(out.seqs, tokens, confidences):
             pos = seq.position
+            if not out.is_prefill and pos != seq.next_head_pos and conf < seq.params.min_confidence:
+                seq.next_head_pos = pos  # redo this position as a head; its tail KV is overwritten then
+                seq.num_cycles_cut += 1
+                ev = TokenEvent(seq.req_id, -1, pos, False, conf)
+                if seq.block:
+                    ev.block, ev.block_confidences = seq.block, seq.block_confidences
+                    seq.block, seq.block_confidences = [], []
+                events.append(ev)
+                continue
             if out.is_prefill:
                 is_head, seq.next_head_pos = self.dmtd.first_head_after_prompt(seq.num_tokens, seq.cycle_len)
                 seq.num_think_cached = seq.num_tokens
@@ -123,7 +139,7 @@ class Scheduler:
                 if is_head:
                     seq.num_think_cached = pos + 1
                     seq.next_head_pos = self.dmtd.next_head(pos, seq.cycle_len)
-            if is_head and self.align_phases:
+            if is_head and self.align_phases and len(self.running) > 1:  # alone, a row keeps full cycles
                 seq.next_head_pos = pos + self._steps_to_aligned_head(step, seq.cycle_len)
             seq.num_heads += is_head
             seq.num_tails += not is_head
@@ -131,9 +147,6 @@ class Scheduler:
             seq.block.append(tok)
             seq.block_confidences.append(conf)
             new_pos = seq.position
-            if new_pos < seq.next_head_pos and conf < seq.params.min_confidence:
-                seq.next_head_pos = new_pos
-                seq.num_cycles_cut += 1
             ev = TokenEvent(seq.req_id, tok, pos, is_head, conf)
             reason = self._stop_reason(seq, tok, eos_ids)
             if reason is not None:
