@@ -125,7 +125,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"finish={finish}]", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({
-            "prompt_token_ids": prompt_ids, "token_ids": tokens, "text": "".join(text),
+            "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "token_ids": tokens,
+            "text": "".join(text),
             "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks, "tau": tau,
             "finish_reason": finish, "variant": variant,
         }))

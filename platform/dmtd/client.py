@@ -84,7 +84,8 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
     """What ``dmtd generate --server`` does: stream text, then report tokens/s and the mean block length.
 
     Returns the same record the local command prints with ``--json`` (decode tokens/s counts from the
-    first block, as the local command counts from the first token).
+    first block, as the local command counts from the first token), except that ``prompt_token_ids`` is
+    None: the server tokenises the prompt and sends back only ``prompt_tokens``, its length.
     """
     import sys
     import time
@@ -97,6 +98,7 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
     first_k = 0
     finish = None
     tau = 0
+    prompt_tokens = 0
     served_by = ""
     with DMTDClient(target) as client:
         for b in client.generate(prompt=prompt, messages=messages, variant=variant or "", **kwargs):
@@ -113,6 +115,7 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
                 print(b.text, end="", flush=True)
             if b.finish_reason:
                 finish = FINISH_NAMES.get(b.finish_reason, "stop")
+                prompt_tokens = b.usage.prompt_tokens
     dt = t_last - t_first
     tok_s = (len(tokens) - first_k) / dt if dt > 0 else 0.0
     mean_block = sum(blocks) / len(blocks) if blocks else 0.0
@@ -120,6 +123,8 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
         print()
     print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}, finish={finish}]",
           file=sys.stderr if as_json else sys.stdout)
-    return {"prompt_token_ids": [], "token_ids": tokens, "text": "".join(text), "tokens_per_s": tok_s,
+    # The server tokenises the prompt and reports only its length: the ids are not known here (None).
+    return {"prompt_token_ids": None, "prompt_tokens": prompt_tokens, "token_ids": tokens, "text": "".join(text),
+            "tokens_per_s": tok_s,
             "mean_block_len": mean_block, "block_lens": blocks, "tau": tau, "finish_reason": finish,
             "variant": served_by, "server": target}

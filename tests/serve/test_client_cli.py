@@ -10,7 +10,7 @@ import sys
 from dmtd.client import DMTDClient
 
 
-def test_generate_server_json_line_matches_the_stream(stack):
+def test_generate_server_json_line_matches_the_stream(stack, smollm2):
     r = subprocess.run([sys.executable, "-m", "dmtd", "generate", "--server", stack.grpc_target, "--prompt",
                         "Once upon a time", "--max-new-tokens", "12", "--tau", "3", "--min-confidence", "0",
                         "--json"], capture_output=True, text=True, timeout=120, env={**os.environ})
@@ -18,6 +18,9 @@ def test_generate_server_json_line_matches_the_stream(stack):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"prompt_token_ids", "token_ids", "text", "tokens_per_s", "mean_block_len"} <= out.keys()
     assert len(out["token_ids"]) == sum(out["block_lens"]) and out["tau"] == 3
+    # the server reports the prompt's length, not its ids: the length the model's tokenizer gives
+    n_prompt = len(smollm2.tokenizer.encode("Once upon a time", add_special_tokens=False))
+    assert out["prompt_token_ids"] is None and out["prompt_tokens"] == n_prompt
     assert out["finish_reason"] in ("length", "stop") and out["text"]
     bad = subprocess.run([sys.executable, "-m", "dmtd", "generate", "--server", stack.grpc_target, "--prompt", "x",
                           "--variant", "nope"], capture_output=True, text=True, timeout=120)
