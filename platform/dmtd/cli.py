@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -66,6 +68,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--compare-tau1", action="store_true",
+                   help="then run the same request at τ = 1 on the same engine and report the speedup")
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="generate through a running dmtd gateway (gRPC) instead of a local engine")
 
@@ -82,6 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.greedy and args.temperature:
         raise UsageError("--greedy and --temperature > 0 contradict each other")
     if args.server:
+        if args.compare_tau1:
+            raise UsageError("--compare-tau1 measures a local engine; against a server use `dmtd bench serve`")
         return cmd_generate_remote(args)
     variant = args.variant if args.variant is not None else (
         "none" if args.decoding_layers is not None else default_variant())
@@ -98,39 +104,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     prompt = [{"role": "user", "content": args.chat}] if args.chat is not None else args.prompt
     prompt_ids = engine.encode(prompt)
-    tokens: list[int] = []
-    blocks: list[int] = []
-    text = []
-    t_first = None
-    finish = None
-    for out in engine.stream(prompt_ids, params):
-        if t_first is None:
-            t_first = time.perf_counter()
-        if out.error:
-            raise UsageError(out.error)
-        if out.token_id >= 0:  # -1: a tail token the confidence gate dropped (redone at a head)
-            tokens.append(out.token_id)
-        text.append(out.text_delta)
-        if not args.json:
-            print(out.text_delta, end="", flush=True)
-        if out.block:
-            blocks.append(len(out.block))
-        finish = out.finish_reason
-    dt = time.perf_counter() - (t_first or time.perf_counter())
-    tok_s = (len(tokens) - 1) / dt if dt > 0 and len(tokens) > 1 else 0.0
+    if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs
+        _stream_local(engine, prompt_ids, dataclasses.replace(params, max_new_tokens=4), echo=False)
+    tokens, text, blocks, tok_s, finish = _stream_local(engine, prompt_ids, params, echo=not args.json)
     mean_block = sum(blocks) / len(blocks) if blocks else 0.0
     if not args.json:
         print()
-    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}, "
-          f"finish={finish}]", file=sys.stderr if args.json else sys.stdout)
+    out = sys.stderr if args.json else sys.stdout
+    gate = f", gate {params.min_confidence:g}" if params.min_confidence > 0 else ""
+    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}, "
+          f"finish={finish}]", file=out)
+    record = {
+        "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "token_ids": tokens,
+        "text": "".join(text), "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks,
+        "tau": tau, "min_confidence": params.min_confidence, "finish_reason": finish, "variant": variant,
+    }
+    if args.compare_tau1:
+        # the same request at τ = 1 (every position a head), same engine, measured the same way
+        base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0)
+        base_tokens, _, _, base_tok_s, _ = _stream_local(engine, prompt_ids, base, echo=False)
+        speedup = tok_s / base_tok_s if base_tok_s > 0 else 0.0
+        same = sum(a == b for a, b in zip(tokens, base_tokens)) / max(1, min(len(tokens), len(base_tokens)))
+        print(f"[τ=1 on the same request: {base_tok_s:.1f} tok/s → speedup {speedup:.2f}× at τ={tau}{gate}; "
+              f"{same:.0%} of tokens equal to τ=1's, position by position]", file=out)
+        record.update(tau1_tokens_per_s=base_tok_s, speedup_vs_tau1=speedup, tau1_token_ids=base_tokens)
     if args.json:
-        print(json.dumps({
-            "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "token_ids": tokens,
-            "text": "".join(text),
-            "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks, "tau": tau,
-            "finish_reason": finish, "variant": variant,
-        }))
+        print(json.dumps(record))
     return 0
+
+
+def _stream_local(engine: Any, prompt_ids: list[int], params: Any,
+                  echo: bool) -> tuple[list[int], list[str], list[int], float, str | None]:
+    """Run one request on a local engine; decode tokens/s counts from the first token."""
+    tokens: list[int] = []
+    blocks: list[int] = []
+    text: list[str] = []
+    t_first = None
+    finish = None
+    for o in engine.stream(prompt_ids, params):
+        if t_first is None:
+            t_first = time.perf_counter()
+        if o.error:
+            raise UsageError(o.error)
+        if o.token_id >= 0:  # -1: a tail token the confidence gate dropped (redone at a head)
+            tokens.append(o.token_id)
+        text.append(o.text_delta)
+        if echo:
+            print(o.text_delta, end="", flush=True)
+        if o.block:
+            blocks.append(len(o.block))
+        finish = o.finish_reason
+    dt = time.perf_counter() - (t_first or time.perf_counter())
+    tok_s = (len(tokens) - 1) / dt if dt > 0 and len(tokens) > 1 else 0.0
+    return tokens, text, blocks, tok_s, finish
 
 
 def cmd_generate_remote(args: argparse.Namespace) -> int:

@@ -39,6 +39,24 @@ def test_generate_streams_dmtd_split_and_reports_blocks():
     assert r.returncode == 0 and "tok/s decode" in r.stdout and "mean block 3.00" in r.stdout
 
 
+def test_generate_compare_tau1_reports_the_speedup_over_the_same_request(smollm2):
+    r = dmtd("generate", "--chat", "Name three colours.", "--max-new-tokens", "16", "--tau", "3",
+             "--min-confidence", "0.5", "--compare-tau1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["tau"] == 3 and out["min_confidence"] == 0.5
+    assert out["tau1_tokens_per_s"] > 0
+    assert out["speedup_vs_tau1"] == pytest.approx(out["tokens_per_s"] / out["tau1_tokens_per_s"])
+    assert "speedup" in r.stderr and "τ=1 on the same request" in r.stderr
+    # the τ = 1 run is the shipped variant with every position a head: no block is longer than one token
+    plain = dmtd("generate", "--chat", "Name three colours.", "--max-new-tokens", "16", "--tau", "1",
+                 "--min-confidence", "0", "--json")
+    ref = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert out["tau1_token_ids"] == ref["token_ids"] and ref["block_lens"] == [1] * len(ref["token_ids"])
+    r = dmtd("generate", "--server", "127.0.0.1:1", "--prompt", "hi", "--compare-tau1")
+    assert r.returncode == 2 and "--compare-tau1" in r.stderr
+
+
 @pytest.mark.parametrize("args,words", [
     (["--variant", "none", "--prompt", "hi", "--tau", "2"], "tau: must be in 1..1"),
     (["--variant", "none", "--decoding-layers", "8", "--prompt", "hi", "--tau", "9"], "tau: must be in 1..8"),
