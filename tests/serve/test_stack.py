@@ -178,6 +178,26 @@ def test_registry_change_reaches_replica_and_gateway_within_2s(stack):
         reg.update(VARIANT, min_confidence=0.0, tau_max=4)  # restore for the tests after this one
 
 
+def test_replica_process_runs_with_passive_openmp_waits(stack):
+    """The replica's process gets OMP_WAIT_POLICY=PASSIVE from its Ray runtime env (set before torch loads)."""
+    from pathlib import Path
+
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if "DMTDReplica" not in cmd:
+                continue
+            env = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode(errors="replace")
+                       .split("\0") if "=" in e)
+        except OSError:
+            continue
+        found[proc.name] = env.get("OMP_WAIT_POLICY")
+    assert found and set(found.values()) == {"PASSIVE"}, found
+
+
 def test_zz_replica_killed_mid_stream_is_unavailable_then_restored(stack):
     import ray
 

@@ -223,8 +223,15 @@ def build_app(args: dict[str, Any]) -> Any:
     """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
     ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``; telemetry:
     any ``TelemetrySettings`` field (``deployment``, ``metrics_port``, ``trace_exporter``, ``otlp_endpoint``,
-    ``usd_per_gpu_hour``, ``gpus_per_replica`` …) at top level or in a ``telemetry`` dict."""
+    ``usd_per_gpu_hour``, ``gpus_per_replica`` …) at top level or in a ``telemetry`` dict.
+
+    ``omp_wait_policy`` (default ``PASSIVE``, env ``DMTD_OMP_WAIT_POLICY``; empty = OpenMP's default) is set
+    in each replica's process: on a CPU shared with the gateway and Ray, spinning OpenMP threads stall each
+    other (docs/benchmarks.md, "OpenMP wait policy")."""
     variants = args.get("variants") or [{"name": "default", "variant": "none"}]
+    omp_wait_policy = str(args.get("omp_wait_policy", os.environ.get("DMTD_OMP_WAIT_POLICY", "PASSIVE")))
+    if omp_wait_policy.upper() not in ("", "PASSIVE", "ACTIVE"):
+        raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {omp_wait_policy!r}")
     handles, infos, deployments = {}, [], {}
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
     telemetry.update(args.get("telemetry") or {})
@@ -241,9 +248,12 @@ def build_app(args: dict[str, Any]) -> Any:
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"
         max_ongoing = int(args.get("max_num_seqs", 16)) + int(args.get("max_queued", 64)) + 8
         replicas = int(v.get("replicas", args.get("replicas", 1)))
+        replica_actor: dict[str, Any] = {"num_cpus": float(args.get("replica_num_cpus", 1))}
+        if omp_wait_policy:
+            replica_actor["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": omp_wait_policy}}
         dep: Any = serve.deployment(DMTDReplica, name=name, num_replicas=replicas,
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
-                               ray_actor_options={"num_cpus": float(args.get("replica_num_cpus", 1))})
+                               ray_actor_options=replica_actor)
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
                                       v["name"], telemetry)
         deployments[v["name"]] = name
