@@ -53,9 +53,17 @@ def test_data_train_eval_generate(chat_model: Path, tmp_path: Path):
     assert (variant / "heldout.jsonl").is_file() and m["heldout"] == "heldout.jsonl"
     corpus.rename(tmp_path / "moved")  # eval then runs on the held-out sample the variant carries
     report = tmp_path / "eval.json"
-    r = dmtd("eval", "--variant", str(variant), "--quick", "--json", str(report), "--png", str(tmp_path / "e.png"))
+    r = dmtd("eval", "--variant", str(variant), "--quick", "--json", str(report), "--png", str(tmp_path / "e.png"),
+             "--confidences", "0,0.5,0.7,0.9", "--record")
     assert r.returncode == 0, r.stderr
     rep = json.loads(report.read_text())
+    # --record put the headline into the manifest, from the same report, and the manifest still loads
+    rec = json.loads((variant / "variant.json").read_text())["eval"]
+    assert rec["command"].startswith("dmtd eval --variant") and "--record" not in rec["command"]
+    assert rec["tau"]["3"]["tail_agreement"] == round(rep["tau"]["3"]["tail_agreement"], 3)
+    assert rec["default_point"]["min_confidence"] == 0.5 and rec["default_point"]["tau"] == 3
+    frontier_default = [p for p in rep["frontier"] if p["tau"] == 3 and p["min_confidence"] == 0.5][0]
+    assert rec["default_point"]["speedup"] == round(frontier_default["speedup"], 3)
     assert set(rep["tau"]) == {"2", "3", "4"}
     for v in rep["tau"].values():
         assert 0 <= v["tail_agreement"] <= 1 and v["judge_ppl"] > 0 and v["tok_s"] > 0

@@ -192,6 +192,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--png", type=Path, default=None, help="plot quality and speed against τ, and the frontier")
+    p.add_argument("--record", action="store_true",
+                   help="write the headline results into the variant's manifest (its `eval` field)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -255,4 +257,21 @@ def run_eval(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.png:
         plot_report(report, args.png)
+    if args.record:
+        import shlex
+        import sys
+
+        from dmtd.train.evaluate import headline
+        from dmtd.variants.manifest import MANIFEST_NAME
+
+        argv = [a for a in sys.argv[1:] if a != "--record"]
+        command = "dmtd " + " ".join(shlex.quote(a) for a in argv)
+        mfile = mpath / MANIFEST_NAME if mpath.is_dir() else mpath
+        data = json.loads(mfile.read_text())
+        data["eval"] = headline(report, manifest.default_tau, manifest.min_confidence, command)
+        tmp = mfile.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=True) + "\n")
+        read_manifest(tmp)  # still a valid manifest before it replaces the old one
+        tmp.replace(mfile)
+        print(f"recorded the headline results in {mfile}")
     return 0

@@ -198,3 +198,27 @@ def pick_operating_point(frontier: list[dict[str, Any]], max_ppl_ratio: float = 
         return None
     best = max(ok, key=lambda p: p["speedup"])
     return {**best, "meets_aim": best["speedup"] >= min_speedup}
+
+
+def headline(report: dict[str, Any], default_tau: int, min_confidence: float, command: str) -> dict[str, Any]:
+    """The few numbers a manifest carries (``eval``): per-τ quality and speed, the floor, the default point."""
+    r3 = lambda x: round(float(x), 3)  # noqa: E731
+    out: dict[str, Any] = {"command": command, "base_judge_ppl": r3(report["base"]["judge_ppl"]), "tau": {},
+                           "floor": {}}
+    for t, v in report["tau"].items():
+        out["tau"][t] = {k: r3(v[k]) for k in ("tail_agreement", "head_agreement", "judge_ppl", "speedup")}
+    for t, v in report["floor"]["tau"].items():
+        out["floor"][t] = {k: r3(v[k]) for k in ("tail_agreement", "judge_ppl")}
+    if "tau1" in report:
+        out["tau1"] = {"judge_ppl": r3(report["tau1"]["judge_ppl"]), "tok_s": r3(report["tau1"]["tok_s"])}
+    match = [p for p in report.get("frontier", []) if p["tau"] == default_tau
+             and abs(p["min_confidence"] - min_confidence) < 1e-9]
+    if match:
+        p = match[0]
+        out["default_point"] = {"tau": default_tau, "min_confidence": min_confidence, "ppl_ratio": r3(p["ppl_ratio"]),
+                                "speedup": r3(p["speedup"]), "mean_block_len": r3(p["mean_block_len"])}
+    op = report.get("operating_point")
+    out["operating_point"] = None if op is None else {k: (r3(op[k]) if k not in ("tau", "meets_aim") else op[k])
+                                                      for k in ("tau", "min_confidence", "ppl_ratio", "speedup",
+                                                                "meets_aim")}
+    return out
