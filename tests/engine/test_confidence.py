@@ -40,8 +40,9 @@ def test_gate_drops_low_confidence_tail_tokens_and_redoes_them_at_heads():
     threshold, tau = 0.7, 4  # seed 2's tail confidences spread over 0.4..1.0
     model, dmtd, prompt, res = run(threshold, tau, seed=2)
     confs, heads = res.confidences, res.head_flags
-    # every emitted token is a head's or a confident tail's
+    # every emitted token is a head's or a confident tail's, and no tail follows an uncertain token
     assert all(h or c >= threshold for h, c in zip(heads, confs))
+    assert all(heads[i + 1] for i in range(len(confs) - 1) if confs[i] < threshold)
     # blocks start at heads and hold at most τ tokens
     starts = [i for i, h in enumerate(heads) if h]
     assert starts[0] == 0
@@ -54,12 +55,20 @@ def test_gate_drops_low_confidence_tail_tokens_and_redoes_them_at_heads():
     assert ref.argmax(-1).tolist() == res.token_ids
     probs = torch.softmax(ref, -1).max(-1).values
     torch.testing.assert_close(probs, torch.tensor(confs), rtol=1e-4, atol=1e-5)
-    # and each early head replaced a tail prediction that fell below the threshold
+    # and each early head follows an uncertain head token (no tail is tried after it) or replaced a tail
+    # prediction that fell below the threshold (dropped and redone)
+    kinds = set()
     for i in cut:
+        if confs[i - 1] < threshold:
+            assert heads[i - 1]  # only a head's token can be uncertain and still be emitted
+            kinds.add("skip")
+            continue
         as_tail = list(heads)
         as_tail[i] = False
         p_tail = torch.softmax(reference_logits(model, dmtd, prompt, res.token_ids, as_tail, tau)[i], -1).max()
         assert float(p_tail) < threshold
+        kinds.add("redo")
+    assert "redo" in kinds
 
 
 def test_cycle_length_change_takes_effect_at_next_head():

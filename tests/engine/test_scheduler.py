@@ -78,13 +78,16 @@ def test_low_confidence_tail_token_is_dropped_and_redone_at_a_head():
     assert evs[-1].finished and evs[-1].finish_reason == "length"
     seq_a = evs[-1]
     assert seq_a.req_id == "a"
-    # a low-confidence token from a head is kept: the gate only judges tail predictions
-    s.add(seq("b", n=4, tau=2, max_new_tokens=3, min_confidence=0.5))
-    toks = []
-    for c in (0.1, 0.9, 0.1):
+    # a low-confidence token from a head is kept, and the next position is a head too (no tail is tried
+    # after an uncertain token); a confident head token is followed by a tail as usual
+    s.add(seq("b", n=4, tau=3, max_new_tokens=4, min_confidence=0.5))
+    evs = []
+    for c in (0.1, 0.9, 0.9, 0.9):
         out = s.schedule()
-        toks += [e.token_id for e in s.postprocess(out, [7], [c], eos_ids=set())]
-    assert toks == [7, 7, 7]
+        evs += s.postprocess(out, [7], [c], eos_ids=set())
+    assert [e.token_id for e in evs] == [7, 7, 7, 7]
+    assert [e.is_head for e in evs] == [True, True, False, False]
+    assert [e.block for e in evs if e.block] == [[7], [7, 7, 7]]
 
 
 def test_stop_token_and_eos():

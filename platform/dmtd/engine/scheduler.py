@@ -147,6 +147,11 @@ class Scheduler:
             seq.block.append(tok)
             seq.block_confidences.append(conf)
             new_pos = seq.position
+            if conf < seq.params.min_confidence and new_pos < seq.next_head_pos:
+                # an uncertain token (from a head: uncertain tails were dropped above) foretells an uncertain
+                # next tail, whose dropped pass would be wasted: make the next position a head instead
+                seq.next_head_pos = new_pos
+                seq.num_cycles_cut += 1
             ev = TokenEvent(seq.req_id, tok, pos, is_head, conf)
             reason = self._stop_reason(seq, tok, eos_ids)
             if reason is not None:
