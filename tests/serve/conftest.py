@@ -71,6 +71,7 @@ def stack(tmp_path_factory):
         "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4}],
         "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
         "registry_url": registry_url, "itl_slo_ms": 5000.0,  # no ITL pressure: tests see the operating point
+        "omp_wait_policy": "PASSIVE",  # the replica shares 2 cores with the test process, Ray and the gateway
     })
     serve.run(app, name="dmtd", route_prefix="/")
     yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd", registry_url)

@@ -179,7 +179,7 @@ def test_registry_change_reaches_replica_and_gateway_within_2s(stack):
 
 
 def test_replica_process_runs_with_passive_openmp_waits(stack):
-    """The replica's process gets OMP_WAIT_POLICY=PASSIVE from its Ray runtime env (set before torch loads)."""
+    """``omp_wait_policy`` reaches the replica's process through its Ray runtime env (set before torch loads)."""
     from pathlib import Path
 
     found = {}

@@ -225,11 +225,11 @@ def build_app(args: dict[str, Any]) -> Any:
     any ``TelemetrySettings`` field (``deployment``, ``metrics_port``, ``trace_exporter``, ``otlp_endpoint``,
     ``usd_per_gpu_hour``, ``gpus_per_replica`` …) at top level or in a ``telemetry`` dict.
 
-    ``omp_wait_policy`` (default ``PASSIVE``, env ``DMTD_OMP_WAIT_POLICY``; empty = OpenMP's default) is set
-    in each replica's process: on a CPU shared with the gateway and Ray, spinning OpenMP threads stall each
-    other (docs/benchmarks.md, "OpenMP wait policy")."""
+    ``omp_wait_policy`` (``PASSIVE`` / ``ACTIVE``; default: env ``DMTD_OMP_WAIT_POLICY``, else unset = OpenMP's
+    own) is set in each replica's process. PASSIVE saves a CPU replica that shares its cores with other busy
+    processes, and costs up to 2× on idle cores (docs/benchmarks.md, "OpenMP wait policy")."""
     variants = args.get("variants") or [{"name": "default", "variant": "none"}]
-    omp_wait_policy = str(args.get("omp_wait_policy", os.environ.get("DMTD_OMP_WAIT_POLICY", "PASSIVE")))
+    omp_wait_policy = str(args.get("omp_wait_policy", os.environ.get("DMTD_OMP_WAIT_POLICY", "")))
     if omp_wait_policy.upper() not in ("", "PASSIVE", "ACTIVE"):
         raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {omp_wait_policy!r}")
     handles, infos, deployments = {}, [], {}
