@@ -125,6 +125,5 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
           file=sys.stderr if as_json else sys.stdout)
     # The server tokenises the prompt and reports only its length: the ids are not known here (None).
     return {"prompt_token_ids": None, "prompt_tokens": prompt_tokens, "token_ids": tokens, "text": "".join(text),
-            "tokens_per_s": tok_s,
-            "mean_block_len": mean_block, "block_lens": blocks, "tau": tau, "finish_reason": finish,
-            "variant": served_by, "server": target}
+            "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks, "tau": tau,
+            "finish_reason": finish, "variant": served_by, "server": target}

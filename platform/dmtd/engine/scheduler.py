@@ -114,8 +114,10 @@ class Scheduler:
         The gate (ConfAdapt inside a cycle): a token sampled at a tail position with top-1 probability
         below the request's ``min_confidence`` is dropped, and the same position runs again at the next
         step as a head — the full stack predicts it instead. Its event carries ``token_id = -1`` and
-        closes the block of the tokens accepted so far. Every emitted token is then either a head's or
-        a confident tail's, and the realised schedule is still exactly a masked forward with those heads.
+        closes the block of the tokens accepted so far. A head's token is always kept, but one below the
+        threshold makes the next position a head too (no tail is tried after an uncertain token). Every
+        emitted token is then a head's or a confident tail's, and the realised schedule is still exactly
+        a masked forward with those heads.
         """
         events = []
         # the decode step at which this batch's positions count as processed (prefill: just before the next)

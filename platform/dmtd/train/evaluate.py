@@ -202,7 +202,9 @@ def pick_operating_point(frontier: list[dict[str, Any]], max_ppl_ratio: float = 
 
 def headline(report: dict[str, Any], default_tau: int, min_confidence: float, command: str) -> dict[str, Any]:
     """The few numbers a manifest carries (``eval``): per-τ quality and speed, the floor, the default point."""
-    r3 = lambda x: round(float(x), 3)  # noqa: E731
+    def r3(x: float) -> float:
+        return round(float(x), 3)
+
     out: dict[str, Any] = {"command": command, "base_judge_ppl": r3(report["base"]["judge_ppl"]), "tau": {},
                            "floor": {}}
     for t, v in report["tau"].items():
@@ -218,7 +220,7 @@ def headline(report: dict[str, Any], default_tau: int, min_confidence: float, co
         out["default_point"] = {"tau": default_tau, "min_confidence": min_confidence, "ppl_ratio": r3(p["ppl_ratio"]),
                                 "speedup": r3(p["speedup"]), "mean_block_len": r3(p["mean_block_len"])}
     op = report.get("operating_point")
-    out["operating_point"] = None if op is None else {k: (r3(op[k]) if k not in ("tau", "meets_aim") else op[k])
-                                                      for k in ("tau", "min_confidence", "ppl_ratio", "speedup",
-                                                                "meets_aim")}
+    out["operating_point"] = None if op is None else {
+        "tau": op["tau"], "min_confidence": op["min_confidence"], "ppl_ratio": r3(op["ppl_ratio"]),
+        "speedup": r3(op["speedup"]), "meets_aim": op["meets_aim"]}
     return out
