@@ -31,9 +31,30 @@ class KVCache:
         self.pending = torch.zeros(num_slots, max(dmtd.tau_max, 1), model.hidden_size, dtype=dtype,
                                    device=device)
         self.num_slots, self.max_len = num_slots, max_len
+        self._spec = (model, dmtd, dtype, device)
+        self.verify_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.stash: torch.Tensor | None = None
+
+    def enable_verify(self) -> None:
+        """Buffers of verified cycles, made on first use.
+
+        ``verify_layers``: the verifying path's decoding-group KV, beside the tail path's (``layers``), so
+        heads attend to verifier keys and values at every position while tails keep their own. ``stash``:
+        the tail path's head-routed decoding input at checked positions, consumed by the next draft step.
+        """
+        if self.verify_layers is not None:
+            return
+        model, dmtd, dtype, device = self._spec
+        shape = (self.num_slots, model.num_kv_heads, self.max_len, model.head_dim)
+        self.verify_layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(dmtd.num_decoding_layers)
+        ]
+        self.stash = torch.zeros(self.num_slots, self.max_len, model.hidden_size, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers) + (
-            self.pending.numel() * self.pending.element_size()
-        )
+        bufs = [t for kv in self.layers + (self.verify_layers or []) for t in kv] + [self.pending]
+        if self.stash is not None:
+            bufs.append(self.stash)
+        return sum(t.numel() * t.element_size() for t in bufs)

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
+from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
 from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
 from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
+from dmtd.engine.verifier import Verifier, check_draft_vocab
 
 
 class Detokenizer:
@@ -58,6 +60,8 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    num_drafted: int = 0  # verified cycles: drafts checked by the head that closed this block
+    num_accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -72,6 +76,15 @@ class GenerationResult:
     confidences: list[float] = field(default_factory=list)
     decode_time_s: float = 0.0
     error: str | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_by_pos: list[int] = field(default_factory=list)
+    drafted_by_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted ÷ drafted tail tokens (verified cycles); None when nothing was drafted."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
 
     @property
     def mean_block_len(self) -> float:
@@ -82,16 +95,19 @@ class LLMEngine:
     """Continuous-batching DMTD engine over one model.
 
     ``add_request`` validates and queues; ``step`` runs one prefill or decode batch and returns one
-    :class:`StepOutput` per request it touched; ``abort`` frees a request's slot at once.
+    :class:`StepOutput` per token it emitted; ``abort`` frees a request's slot at once. Requests with
+    ``exact`` run verified cycles: their tails are drafts (no output) and each head emits the accepted
+    drafts plus the verifier's own token (``verifier``: the base model, or the variant's τ = 1 path).
     """
 
     def __init__(self, model: Transformer, tokenizer: Any, dmtd: DMTDConfig,
                  cfg: EngineConfig | None = None, default_cycle_len: int | None = None,
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, verifier: Verifier | None = None,
+                 draft_vocab: list[int] | None = None) -> None:
         self.cfg = cfg or EngineConfig()
         self.dmtd = dmtd
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, dmtd, self.cfg)
+        self.runner = ModelRunner(model, dmtd, self.cfg, verifier)
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
                                    self.cfg.max_prefill_tokens, self.cfg.align_phases)
         self.default_cycle_len = default_cycle_len or dmtd.tau_max
@@ -102,6 +118,14 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._gens: dict[str, torch.Generator | None] = {}
+        self._draft_q: dict[str, list[torch.Tensor | None]] = {}
+        if draft_vocab is not None:
+            self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
+
+    @property
+    def verifier_name(self) -> str:
+        """What verified cycles reproduce: ``base`` (the base model) or ``variant`` (its τ = 1 path)."""
+        return self.runner.verifier.name
 
     # -- requests -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
@@ -128,6 +152,8 @@ class LLMEngine:
         tau = params.cycle_len if params.cycle_len is not None else self.default_cycle_len
         seq = Sequence(req_id, self.encode(prompt), params, cycle_len=tau)
         self.scheduler.add(seq)
+        if params.exact:
+            self.runner.enable_exact()
         self.seqs[req_id] = seq
         self._detok[req_id] = Detokenizer(self.tokenizer) if self.tokenizer is not None else None  # type: ignore
         gen = None
@@ -148,6 +174,7 @@ class LLMEngine:
         seq = self.seqs.pop(req_id, None)
         self._detok.pop(req_id, None)
         self._gens.pop(req_id, None)
+        self._draft_q.pop(req_id, None)
         if seq is None or seq.finished:
             return False
         self.scheduler.finish(seq, "abort")
@@ -169,23 +196,78 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
-        logits = self.runner.prefill(out.prefill) if out.is_prefill else self.runner.decode(out.decode)
+        if out.is_prefill:
+            results = self._sampled(out, self.runner.prefill(out.prefill))
+            for s in out.prefill:
+                s.draft_done = s.params.exact and s.max_drafts(self.cfg.max_model_len) == 0
+            return results
+        plain = [s for s in out.decode if not s.params.exact]
+        drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
+        checking = [s for s in out.decode if s.params.exact and s.draft_done]
+        results = self._sampled(SchedulerOutput(decode=plain), self.runner.decode(plain), False) if plain else []
+        if drafting:
+            results += self._draft(drafting)
+        if checking:
+            results += self._check(checking)
+        self.scheduler.num_decode_steps += 1
+        return results
+
+    def _sampled(self, out: SchedulerOutput, logits: torch.Tensor, advance_clock: bool = True) -> list[StepOutput]:
+        """Sample one token per row of a prefill or plain decode batch, then apply the step."""
         seqs = out.seqs
         tokens, confs, finite = sample(logits, [s.params for s in seqs], [self._gens.get(s.req_id) for s in seqs])
-        failed = [s for s, ok in zip(seqs, finite) if not ok]
-        results: list[StepOutput] = []
-        for s in failed:
-            self.scheduler.finish(s, "error", "the model produced non-finite logits")
-            results.append(StepOutput(s.req_id, -1, s.next_is_head, math.nan, "", s.block or None, None,
-                                      s.cycle_len, True, "error", s.error))
-            self._forget(s.req_id)
-        if failed:
+        results = self._fail([s for s, ok in zip(seqs, finite) if not ok])
+        if len(results):
             keep = [i for i, ok in enumerate(finite) if ok]
             out = SchedulerOutput(prefill=[seqs[i] for i in keep] if out.is_prefill else [],
                                   decode=[] if out.is_prefill else [seqs[i] for i in keep])
             tokens, confs = [tokens[i] for i in keep], [confs[i] for i in keep]
-        for ev in self.scheduler.postprocess(out, tokens, confs, self.eos_ids):
+        for ev in self.scheduler.postprocess(out, tokens, confs, self.eos_ids, advance_clock):
             results.append(self._to_output(ev))
+        return results
+
+    def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
+        results = []
+        for s in seqs:
+            self.scheduler.finish(s, "error", "the model produced non-finite logits")
+            results.append(StepOutput(s.req_id, -1, s.next_is_head, math.nan, "", s.block or None, None,
+                                      s.cycle_len, True, "error", s.error))
+            self._forget(s.req_id)
+        return results
+
+    def _draft(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """A tail step of verified cycles: one draft per row, nothing emitted."""
+        d = pick_drafts(self.runner.draft(seqs), self.runner.draft_ids, [s.params for s in seqs],
+                        [self._gens.get(s.req_id) for s in seqs])
+        results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
+        keep = [i for i, ok in enumerate(d.finite) if ok]
+        for i in keep:
+            self._draft_q.setdefault(seqs[i].req_id, []).append(d.q[i])
+        self.scheduler.postprocess_drafts([seqs[i] for i in keep], [d.tokens[i] for i in keep],
+                                          [d.confidences[i] for i in keep], self.eos_ids)
+        return results
+
+    def _check(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """A head of verified cycles: check every row's drafts and emit its block."""
+        logits = self.runner.verify(seqs)
+        R = logits.shape[1]
+        results: list[StepOutput] = []
+        for i, s in enumerate(seqs):
+            m = len(s.drafts)
+            c = check_drafts(logits[i, R - m - 1:], s.drafts, self._draft_q.pop(s.req_id, []), self.runner.draft_ids,
+                             s.params, self._gens.get(s.req_id))
+            if not c.finite:
+                results += self._fail([s])
+                continue
+            generated = s.num_generated
+            events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)
+            for j, ev in enumerate(events):
+                o = self._to_output(ev)
+                results.append(o)
+                if o.finished:
+                    del s.token_ids[s.prompt_len + generated + j + 1:]  # a stop string ended the block early
+                    break
+            results[-1].num_drafted, results[-1].num_accepted = m, c.num_accepted
         return results
 
     def _to_output(self, ev: TokenEvent) -> StepOutput:
@@ -224,6 +306,7 @@ class LLMEngine:
 
     def _forget(self, req_id: str, keep_seq: bool = False) -> None:
         self._gens.pop(req_id, None)
+        self._draft_q.pop(req_id, None)
         if not keep_seq:
             self.seqs.pop(req_id, None)
             self._detok.pop(req_id, None)
@@ -273,5 +356,9 @@ class LLMEngine:
                 if o.finished:
                     r.finish_reason, r.error = o.finish_reason, o.error
                     r.decode_time_s = time.perf_counter() - (t0 or time.perf_counter())
+                    seq = self.seqs.get(o.req_id)
+                    if seq is not None:
+                        r.num_drafted, r.num_accepted = seq.num_drafted, seq.num_accepted
+                        r.drafted_by_pos, r.accepted_by_pos = list(seq.drafted_by_pos), list(seq.accepted_by_pos)
                     self.release(o.req_id)
         return [res[rid] for rid in ids]

@@ -222,11 +222,12 @@ class Transformer(nn.Module):
         return self._weights
 
     def _decode_kernel(self, h: torch.Tensor, start: int, end: int,
-                       caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: StepContext) -> torch.Tensor:
+                       caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: StepContext,
+                       weights: list[LayerWeights]) -> torch.Tensor:
         """One position per row through layers ``start..end`` with the TorchScript decode loop."""
         if start == end:
             return h
-        cfg, ws = self.config, self.layer_weights()[start:end]
+        cfg, ws = self.config, weights[start:end]
         lo, contiguous = (ctx.slot_range[0], True) if ctx.slot_range is not None else (0, False)
         mask = None if ctx.attn_mask is None else ctx.attn_mask.view(h.shape[0], ctx.read_len)
         out = decode_layers(
@@ -263,10 +264,12 @@ class Transformer(nn.Module):
 
     def run_layers(self, h: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                   ctx: StepContext | None = None) -> torch.Tensor:
-        cfg, weights = self.config, self.layer_weights()
+                   ctx: StepContext | None = None, weights: list[LayerWeights] | None = None) -> torch.Tensor:
+        """Layers ``start..end`` over ``h``; ``weights`` overrides the model's own (a verifier's path)."""
+        cfg = self.config
+        weights = weights if weights is not None else self.layer_weights()
         if ctx is not None and caches is not None and h.shape[1] == 1 and not torch.is_grad_enabled():
-            return self._decode_kernel(h, start, end, caches, ctx)
+            return self._decode_kernel(h, start, end, caches, ctx, weights)
         for i in range(start, end):
             h = layer_forward(weights[i], cfg, h, cos, sin, None if caches is None else caches[i], ctx)
         return h

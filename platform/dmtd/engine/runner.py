@@ -8,6 +8,7 @@ from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.kv_cache import KVCache
 from dmtd.engine.model import StepContext, Transformer, route_decoding_input
 from dmtd.engine.sequence import Sequence
+from dmtd.engine.verifier import Verifier, own_verifier
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -24,15 +25,55 @@ class ModelRunner:
     A decode step runs, for every row, the encoding group and the decoding group at the row's
     position. Rows at a head also run the thinking group over their pending tail positions plus the
     head, in one causal pass (cyclical refilling), before their decoding group.
+
+    Verified cycles (requests with ``exact``) use :meth:`draft` for their tails and :meth:`verify` for
+    their heads, with the verifier's decoding-group weights and KV beside the tail path's.
     """
 
-    def __init__(self, model: Transformer, dmtd: DMTDConfig, cfg: EngineConfig) -> None:
+    def __init__(self, model: Transformer, dmtd: DMTDConfig, cfg: EngineConfig,
+                 verifier: Verifier | None = None) -> None:
         dmtd.check_model(model.config)
         self.model, self.dmtd, self.cfg = model.prepare_inference(), dmtd, cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.dtype, self.device)
         self.kv = self.cache.layers
+        self.verifier = verifier or own_verifier(dmtd, is_base=dmtd.head_input == "replace")
+        self.verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.draft_ids: torch.Tensor | None = None  # restricted tail vocabulary (None = the full one)
+        self._draft_head: torch.Tensor | None = None
+
+    def enable_exact(self) -> None:
+        """Allocate the verifying path's KV (first use of verified cycles)."""
+        if self.verify_kv is None:
+            self.cache.enable_verify()
+            assert self.cache.verify_layers is not None
+            self.verify_kv = self.kv[: self.dmtd.decoding_start] + self.cache.verify_layers
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
+        self.draft_ids, self._draft_head = (None, None) if ids is None else (ids.to(self.device), None)
+
+    def draft_head(self) -> torch.Tensor:
+        """The tail head ``[H, N]``: the lm_head's columns of the draft vocabulary, copied once."""
+        if self._draft_head is None:
+            m = self.model
+            full = m.lm_head.weight if m.lm_head is not None else m.lm_head_t
+            if full is None:
+                full = m.embed_tokens.weight.t()
+            full = full.detach()
+            self._draft_head = full if self.draft_ids is None else full[:, self.draft_ids].contiguous()
+        return self._draft_head
+
+    def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions [n, R] of ``counts[i]`` positions ending at ``last[i]``, right-aligned; valid mask."""
+        dev = self.device
+        R = max(counts)
+        offs = torch.arange(R - 1, -1, -1, device=dev)
+        pos = (torch.tensor(last, device=dev)[:, None] - offs[None, :]).clamp(min=0)
+        if all(c == R for c in counts):
+            return pos, None
+        return pos, offs[None, :] < torch.tensor(counts, device=dev)[:, None]
 
     def _context(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext:
         """Context for rows at ``positions`` [B, S] (valid [B, S] marks real, non-padding entries)."""
@@ -82,7 +123,75 @@ class ModelRunner:
         last = (lens_t - 1)[:, None, None].expand(-1, 1, x.shape[-1])
         # The decoding group must still write KV for every prompt position; logits only for the last.
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx)
+        exact = [i for i, s in enumerate(seqs) if s.params.exact]
+        if exact:  # verified cycles: the prompt through the verifying path too; its logits are the output
+            self.enable_exact()
+            rows = torch.tensor(exact, device=self.device)
+            ectx = self._context([seqs[i].slot for i in exact], pos[rows],
+                                 None if all(lens[i] == T for i in exact) else valid[rows])
+            xv = route_decoding_input(h_enc[rows], h_think[rows], torch.ones_like(valid[rows]),
+                                      self.verifier.head_input)
+            hv = m.run_layers(xv, d.decoding_start, d.num_layers, ectx.cos, ectx.sin, self.verify_kv, ectx,
+                              self.verifier.weights(m, d))
+            h = h.clone()
+            h[rows] = hv
         return m.logits(h.gather(1, last)[:, 0])
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Tail steps of verified cycles: the draft head's logits at each row's draft position [n, N].
+
+        A row's tail path first catches up on positions checked since its last draft (the head-routed
+        decoding input stashed by :meth:`verify`), in the same causal pass as the new tail position.
+        """
+        m, d, dev = self.model, self.dmtd, self.device
+        assert self.cache.stash is not None
+        slots = [s.slot for s in seqs]
+        last = [s.draft_position for s in seqs]
+        counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
+        ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
+        ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
+        x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx)
+        if max(counts) > 1:
+            pos, valid = self._right_aligned(last, counts)
+            R = pos.shape[1]
+            tail = x
+            x = torch.zeros(len(seqs), R, tail.shape[-1], dtype=self.dtype, device=dev)
+            x[:, -1] = tail[:, 0]
+            for i, s in enumerate(seqs):
+                if counts[i] > 1:
+                    x[i, R - counts[i]: R - 1] = self.cache.stash[s.slot, s.num_tail_cached: last[i]]
+            ctx = self._context(slots, pos, valid)
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx)
+        return torch.matmul(m.norm.forward(h[:, -1]), self.draft_head())
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Heads of verified cycles: the verifier's logits over each row's last token and its drafts.
+
+        Returns [n, R, V], right-aligned: row i's ``len(drafts) + 1`` predictions are its last columns.
+        Every layer group writes KV at those positions (thinking and encoding shared, decoding into the
+        verifier's own), and the tail path's head-routed input is stashed for the next draft step.
+        """
+        m, d, dev = self.model, self.dmtd, self.device
+        assert self.verify_kv is not None and self.cache.stash is not None
+        counts = [len(s.drafts) + 1 for s in seqs]
+        pos, valid = self._right_aligned([s.draft_position for s in seqs], counts)
+        R = pos.shape[1]
+        ids = torch.zeros(len(seqs), R, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, R - counts[i]:] = torch.tensor([s.token_ids[-1], *s.drafts])
+        ctx = self._context([s.slot for s in seqs], pos, valid)
+        h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
+                             self.kv, ctx)
+        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx)
+        heads = torch.ones(pos.shape, dtype=torch.bool, device=dev)
+        xv = route_decoding_input(h_enc, h_think, heads, self.verifier.head_input)
+        h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
+                         self.verifier.weights(m, d))
+        xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
+        self.cache.stash[ctx.write_slots, ctx.write_pos] = xt if ctx.write_rows is None else xt[ctx.write_rows]
+        return m.logits(h)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -124,11 +233,7 @@ class ModelRunner:
             for i, s in enumerate(seqs):
                 if n_new[i] > 1:
                     inp[i, R - n_new[i]: R - 1] = self.cache.pending[s.slot, : n_new[i] - 1]
-            last = torch.tensor([s.position for s in seqs], device=dev)
-            offs = torch.arange(R - 1, -1, -1, device=dev)
-            raw = last[:, None] - offs[None, :]
-            valid = offs[None, :] < torch.tensor(n_new, device=dev)[:, None]
-            pos = raw.clamp(min=0)
+            pos, valid = self._right_aligned([s.position for s in seqs], n_new)
         ctx = self._context([s.slot for s in seqs], pos, valid)
         out = self.model.run_layers(inp, self.dmtd.thinking_start, self.dmtd.decoding_start, ctx.cos, ctx.sin,
                                     self.kv, ctx)

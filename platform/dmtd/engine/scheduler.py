@@ -108,7 +108,7 @@ class Scheduler:
         return out
 
     def postprocess(self, out: SchedulerOutput, tokens: list[int], confidences: list[float],
-                    eos_ids: set[int]) -> list[TokenEvent]:
+                    eos_ids: set[int], advance_clock: bool = True) -> list[TokenEvent]:
         """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire.
 
         The gate (ConfAdapt inside a cycle): a token sampled at a tail position with top-1 probability
@@ -135,7 +135,7 @@ class Scheduler:
                 continue
             if out.is_prefill:
                 is_head, seq.next_head_pos = self.dmtd.first_head_after_prompt(seq.num_tokens, seq.cycle_len)
-                seq.num_think_cached = seq.num_tokens
+                seq.num_think_cached = seq.num_tail_cached = seq.num_tokens
             else:
                 is_head = pos == seq.next_head_pos
                 if is_head:
@@ -159,12 +159,64 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 ev.finished, ev.finish_reason = True, reason
-            if reason is not None or new_pos == seq.next_head_pos:
+            if reason is not None or new_pos == seq.next_head_pos or seq.params.exact:  # exact: blocks close at checks
                 ev.block, ev.block_confidences = seq.block, seq.block_confidences
                 seq.block, seq.block_confidences = [], []
             events.append(ev)
-        if not out.is_prefill:
+        if not out.is_prefill and advance_clock:
             self.num_decode_steps += 1
+        return events
+
+    def postprocess_drafts(self, seqs: list[Sequence], tokens: list[int], confidences: list[float],
+                           eos_ids: set[int]) -> None:
+        """Record one draft step of verified cycles; a row stops drafting at τ − 1 drafts, at a stop token,
+        or at a draft whose confidence is below ``min_confidence`` (the gate decides only how much to draft).
+        """
+        for seq, tok, conf in zip(seqs, tokens, confidences):
+            seq.num_tail_cached = seq.draft_position + 1  # the tail wrote its KV at the position it fed
+            seq.drafts.append(tok)
+            stop = tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in eos_ids)
+            if stop or conf < seq.params.min_confidence or len(seq.drafts) >= seq.max_drafts(self.max_model_len):
+                seq.draft_done = True
+
+    def postprocess_checked(self, seq: Sequence, tokens: list[int], num_accepted: int,
+                            confidences: list[float], eos_ids: set[int]) -> list[TokenEvent]:
+        """Apply one head's check (verified cycles): emit the accepted drafts and the verifier's token as
+        one block, and roll back the rest — the rejected positions' KV is rewritten before it is read again.
+        """
+        m = len(seq.drafts)
+        head = seq.position + num_accepted  # the position whose verifier logits gave the last token
+        seq.num_tail_cached = min(seq.num_tail_cached, head)  # the head's tail KV needs head routing
+        seq.num_think_cached = head + 1
+        seq.num_drafted += m
+        seq.num_accepted += num_accepted
+        for j in range(m):
+            if j >= len(seq.drafted_by_pos):
+                seq.drafted_by_pos.append(0)
+                seq.accepted_by_pos.append(0)
+            seq.drafted_by_pos[j] += 1
+            seq.accepted_by_pos[j] += j < num_accepted
+        seq.drafts, seq.draft_done = [], False
+        events = []
+        for j, (tok, conf) in enumerate(zip(tokens, confidences)):
+            is_head = j == len(tokens) - 1
+            seq.num_heads += is_head
+            seq.num_tails += not is_head
+            seq.token_ids.append(tok)
+            seq.block.append(tok)
+            seq.block_confidences.append(conf)
+            ev = TokenEvent(seq.req_id, tok, seq.position - 1, is_head, conf)
+            reason = self._stop_reason(seq, tok, eos_ids)
+            if reason is not None:
+                self.finish(seq, reason)
+                ev.finished, ev.finish_reason = True, reason
+            if reason is not None or is_head:
+                ev.block, ev.block_confidences = seq.block, seq.block_confidences
+                seq.block, seq.block_confidences = [], []
+                events.append(ev)
+                break
+            events.append(ev)
+        seq.draft_done = seq.max_drafts(self.max_model_len) == 0
         return events
 
     @staticmethod

@@ -29,7 +29,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     cycle_len: int | None = None  # τ; None = the variant's default
-    min_confidence: float = 0.0
+    min_confidence: float = 0.0  # the gate; with ``exact`` it only stops drafting
+    exact: bool = False  # verified cycles: tails are drafts the next head checks; output = the verifier's
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -84,6 +85,14 @@ class Sequence:
     num_heads: int = 0
     num_tails: int = 0
     num_cycles_cut: int = 0
+    # verified cycles (``params.exact``): unchecked tail tokens, and the tail path's KV extent
+    drafts: list[int] = field(default_factory=list)
+    draft_done: bool = False  # the drafts await the next head's check
+    num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafted_by_pos: list[int] = field(default_factory=list)  # per tail position within a cycle
+    accepted_by_pos: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     seq_no: int = field(default_factory=lambda: next(_ids))
@@ -112,6 +121,16 @@ class Sequence:
     def num_pending(self) -> int:
         """Tail positions whose thinking-layer KV awaits refill."""
         return self.position - self.num_think_cached
+
+    @property
+    def draft_position(self) -> int:
+        """Position the next draft step feeds (verified cycles)."""
+        return len(self.token_ids) - 1 + len(self.drafts)
+
+    def max_drafts(self, max_model_len: int) -> int:
+        """Drafts worth making this cycle: τ − 1, bounded so the check fits the budget and the context."""
+        left = self.params.max_new_tokens - self.num_generated
+        return max(0, min(self.cycle_len - 1, left - 1, max_model_len - len(self.token_ids)))
 
     @property
     def generated_ids(self) -> list[int]:

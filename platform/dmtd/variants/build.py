@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
+from dmtd.engine.verifier import Verifier, own_verifier, snapshot_decoding_layers
 from dmtd.variants.loader import LoadedModel, load_model
 from dmtd.variants.manifest import (
     MANIFEST_NAME,
@@ -44,6 +45,8 @@ class EngineSpec:
     default_tau: int
     min_confidence: float
     variant: VariantManifest | None
+    verifier: Verifier | None = None  # None: the model verifies itself
+    draft_vocab: list[int] | None = None
 
 
 def find_variant(name_or_path: str, search_dirs: list[Path] | None = None) -> Path:
@@ -85,16 +88,35 @@ def check_fits_base(loaded: LoadedModel, manifest: VariantManifest) -> None:
                                 f"{have[:16]}… differs from the manifest's {manifest.base_fingerprint[:16]}…")
 
 
-def apply_variant_weights(loaded: LoadedModel, manifest: VariantManifest, root: Path) -> None:
-    """Check the manifest fits the base model, then load its tensors and merge its adapter over it."""
+def apply_variant_weights(loaded: LoadedModel, manifest: VariantManifest, root: Path) -> set[str]:
+    """Check the manifest fits the base model, then load its tensors and merge its adapter over it.
+
+    Returns the names of the base tensors the variant changed.
+    """
     check_fits_base(loaded, manifest)
+    changed: set[str] = set()
     if manifest.weights is not None:
         wpath = _checked_file(manifest, root, manifest.weights, manifest.weights_sha256, "weights")
-        _load_tensors(loaded, manifest, load_file(str(wpath)))
+        tensors = load_file(str(wpath))
+        _load_tensors(loaded, manifest, tensors)
+        changed |= set(tensors)
     if manifest.adapter is not None:
         apath = _checked_file(manifest, root, manifest.adapter, manifest.adapter_sha256, "adapter")
-        apply_adapter(loaded, manifest, apath)
+        changed |= apply_adapter(loaded, manifest, apath)
     loaded.model.lm_head_t, loaded.model._weights = None, None
+    return changed
+
+
+def read_draft_vocab(manifest: VariantManifest, root: Path) -> list[int] | None:
+    """The variant's restricted tail vocabulary (token ids, most frequent first), checked against its hash."""
+    if manifest.draft_vocab is None:
+        return None
+    path = _checked_file(manifest, root, manifest.draft_vocab, manifest.draft_vocab_sha256, "draft_vocab")
+    try:
+        ids = load_file(str(path))["token_ids"]
+    except (SafetensorError, OSError, KeyError) as e:
+        raise ManifestError(f"variant {manifest.name!r}: draft_vocab {str(path)!r} holds no token_ids tensor") from e
+    return [int(t) for t in ids.tolist()]
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -110,7 +132,7 @@ def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, meta
 
 
-def apply_adapter(loaded: LoadedModel, manifest: VariantManifest, path: Path) -> None:
+def apply_adapter(loaded: LoadedModel, manifest: VariantManifest, path: Path) -> set[str]:
     """Merge ``W + (alpha / rank) · A @ B`` into the named weights, after checking the adapter's base."""
     tensors, meta = read_adapter(path)
     made_for = meta.get("base_fingerprint")
@@ -135,6 +157,7 @@ def apply_adapter(loaded: LoadedModel, manifest: VariantManifest, path: Path) ->
         for name in names:
             w = own[name]
             w.copy_(merge_lora(w, tensors[name + LORA_A].to(w.dtype), tensors[name + LORA_B].to(w.dtype), scale))
+    return set(names)
 
 
 def _load_tensors(loaded: LoadedModel, manifest: VariantManifest, tensors: dict[str, torch.Tensor]) -> None:
@@ -159,15 +182,23 @@ def engine_spec(model: str | None = None, variant: str | None = None, decoding_l
         manifest = read_manifest(mpath)
         root = mpath if mpath.is_dir() else mpath.parent
         loaded = load_model(model or manifest.base_model, dtype=dtype, device=device)
-        apply_variant_weights(loaded, manifest, root)
-        return EngineSpec(loaded, manifest.dmtd_config(), manifest.default_tau, manifest.min_confidence, manifest)
+        dmtd = manifest.dmtd_config()
+        fits = dmtd.num_layers == loaded.config.num_layers  # else apply_variant_weights names the mismatch
+        base_layers = snapshot_decoding_layers(loaded.model, dmtd) if fits else None
+        changed = apply_variant_weights(loaded, manifest, root)
+        prefix = tuple(f"layers.{i}." for i in range(dmtd.decoding_start, dmtd.num_layers))
+        verifier = (Verifier("base", "replace", base_layers) if base_layers is not None and changed
+                    and all(k.startswith(prefix) for k in changed) else own_verifier(dmtd, is_base=not changed))
+        return EngineSpec(loaded, dmtd, manifest.default_tau, manifest.min_confidence, manifest, verifier,
+                          read_draft_vocab(manifest, root))
     loaded = load_model(model, dtype=dtype, device=device)
-    if loaded.dmtd is not None and decoding_layers is None:
-        return EngineSpec(loaded, loaded.dmtd, loaded.dmtd.tau_max, 0.0, None)
+    if loaded.dmtd is not None and decoding_layers is None:  # a DMTD checkpoint verifies with its τ = 1 path
+        return EngineSpec(loaded, loaded.dmtd, loaded.dmtd.tau_max, 0.0, None, own_verifier(loaded.dmtd, False))
     L = loaded.config.num_layers
     dmtd = DMTDConfig.plain(L, decoding_layers or 1, BASE_TAU_MAX if decoding_layers else 1)
-    return EngineSpec(loaded, dmtd, 1, 0.0, None)
+    return EngineSpec(loaded, dmtd, 1, 0.0, None, own_verifier(dmtd, True))
 
 
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
-    return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_cycle_len=spec.default_tau)
+    return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_cycle_len=spec.default_tau,
+                     verifier=spec.verifier, draft_vocab=spec.draft_vocab)

@@ -49,6 +49,12 @@ class VariantManifest(BaseModel):
     eval: dict[str, Any] | None = Field(None, description="headline results of `dmtd eval` on the variant")
     heldout: str | None = Field(None, description="JSONL sample of the corpus's held-out records (prompt and "
                                 "base completion ids), relative to the manifest, so `dmtd eval` runs anywhere")
+    default_profile: Literal["dmtd", "exact"] = Field(
+        "dmtd", description="cycle profile a request gets when it names none: 'dmtd' (gated tails emit their "
+        "tokens) or 'exact' (verified cycles: tails are drafts, the output is the verifier's)")
+    draft_vocab: str | None = Field(None, description="safetensors file (tensor token_ids) of the restricted tail "
+                                    "vocabulary, relative to the manifest; None = the full vocabulary")
+    draft_vocab_sha256: str | None = Field(None, description="SHA-256 of the draft_vocab file")
 
     @model_validator(mode="after")
     def _tau_in_range(self) -> VariantManifest:
@@ -58,6 +64,8 @@ class VariantManifest(BaseModel):
             raise ValueError("weights and weights_sha256 must be given together")
         if (self.adapter is None) != (self.adapter_sha256 is None):
             raise ValueError("adapter and adapter_sha256 must be given together")
+        if (self.draft_vocab is None) != (self.draft_vocab_sha256 is None):
+            raise ValueError("draft_vocab and draft_vocab_sha256 must be given together")
         return self
 
     def dmtd_config(self) -> DMTDConfig:

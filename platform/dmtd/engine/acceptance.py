@@ -1,0 +1,94 @@
+"""Drafting and checking in verified cycles: the speculative-sampling rule (Leviathan et al., Chen et al.).
+
+A draft ``d`` sampled from the tail's distribution ``q`` is accepted with probability
+``min(1, p(d) / q(d))`` under the verifier's distribution ``p``; the first rejected position takes a
+token drawn from the normalised ``max(0, p − q)``; when every draft is accepted the head's own
+prediction is a bonus token drawn from ``p``. The emitted tokens are then distributed exactly as the
+verifier's own sampling would be. Greedy requests are the limit: accept while the draft equals the
+verifier's argmax, then take the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dmtd.engine.sampler import draw, filtered_probs
+from dmtd.engine.sequence import SamplingParams
+
+
+@dataclass(slots=True)
+class Drafts:
+    """One draft step's picks: token ids, the tail's top-1 probabilities, and ``q`` rows for sampled rows."""
+
+    tokens: list[int]
+    confidences: list[float]
+    finite: list[bool]
+    q: list[torch.Tensor | None]  # [N] over the draft vocabulary, None for greedy rows
+
+
+def pick_drafts(logits: torch.Tensor, vocab: torch.Tensor | None, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> Drafts:
+    """Draft one token per row from the tail head's logits [n, N] (N = the draft vocabulary's size)."""
+    logits = logits.float()
+    top = torch.softmax(logits, dim=-1).amax(dim=-1)
+    finite = torch.isfinite(top)
+    idx = logits.argmax(dim=-1).tolist()
+    q: list[torch.Tensor | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if not p.greedy and bool(finite[i])]
+    if rows:
+        probs = filtered_probs(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows])
+        for j, (i, t) in enumerate(zip(rows, draw(probs, [generators[i] for i in rows]))):
+            idx[i], q[i] = t, probs[j]
+    tokens = idx if vocab is None else vocab[torch.tensor(idx, device=vocab.device)].tolist()
+    return Drafts(tokens, top.nan_to_num(0.0).tolist(), finite.tolist(), q)
+
+
+@dataclass(slots=True)
+class Checked:
+    """The outcome of one head's check for one row."""
+
+    tokens: list[int]  # accepted drafts, then the verifier's token
+    num_accepted: int
+    confidences: list[float]  # the verifier's top-1 probability at each emitted token's position
+    finite: bool
+
+
+def check_drafts(logits: torch.Tensor, drafts: list[int], q: list[torch.Tensor | None],
+                 vocab: torch.Tensor | None, params: SamplingParams,
+                 generator: torch.Generator | None) -> Checked:
+    """Accept the longest admissible prefix of ``drafts`` against the verifier's logits [m + 1, V]."""
+    logits = logits.float()
+    m = len(drafts)
+    top = torch.softmax(logits, dim=-1).amax(dim=-1)
+    if not bool(torch.isfinite(top).all()):
+        return Checked([], 0, [], False)
+    confs = top.tolist()
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        a = 0
+        while a < m and drafts[a] == target[a]:
+            a += 1
+        return Checked(drafts[:a] + [target[a]], a, confs[: a + 1], True)
+    p = filtered_probs(logits, [params] * (m + 1))
+    dev = p.device
+    for j in range(m):
+        qj = _full(q[j], vocab, p.shape[-1], dev)
+        d = drafts[j]
+        u = float(torch.rand(1, generator=generator, device=dev))
+        if u * float(qj[d]) < float(p[j, d]):
+            continue
+        residual = (p[j] - qj).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: the draft was as good as any
+            residual = p[j]
+        tok = draw(residual[None], [generator])[0]
+        return Checked(drafts[:j] + [tok], j, confs[: j + 1], True)
+    return Checked(drafts + draw(p[m:], [generator]), m, confs, True)
+
+
+def _full(q: torch.Tensor | None, vocab: torch.Tensor | None, size: int, dev: torch.device) -> torch.Tensor:
+    assert q is not None, "a sampled row keeps its draft distribution"
+    if vocab is None:
+        return q
+    return torch.zeros(size, dtype=q.dtype, device=dev).index_copy_(0, vocab, q)
