@@ -37,6 +37,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return errors + TRAIN_USER_ERRORS
 
 
+PROFILES = ("dmtd", "exact")
+
+
 def default_variant() -> str:
     """The shipped variant if one exists, else the plain base model."""
     if SHIPPED_VARIANTS.is_dir():
@@ -59,7 +62,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                      help="a user message rendered with the model's chat template")
     p.add_argument("--tau", type=int, default=None, help="cycle length τ (default: the variant's)")
     p.add_argument("--min-confidence", type=float, default=None,
-                   help="end a cycle early when a tail token's top-1 probability is below this")
+                   help="end a cycle early when a tail token's top-1 probability is below this (with "
+                   "--profile exact: stop drafting there)")
+    p.add_argument("--profile", choices=PROFILES, default=None,
+                   help="'dmtd': tails emit their tokens (gated); 'exact': verified cycles — tails are drafts "
+                   "the next head checks, so the output is the verifier's (the base model for adapter "
+                   "variants); default: the variant's")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -97,65 +105,93 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = engine_spec(args.model, variant, args.decoding_layers, device=device, search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device))
     tau = args.tau if args.tau is not None else spec.default_tau
+    profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, cycle_len=tau,
         min_confidence=spec.min_confidence if args.min_confidence is None else args.min_confidence,
+        exact=profile == "exact",
     )
     prompt = [{"role": "user", "content": args.chat}] if args.chat is not None else args.prompt
     prompt_ids = engine.encode(prompt)
     if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs
         _stream_local(engine, prompt_ids, dataclasses.replace(params, max_new_tokens=4), echo=False)
-    tokens, text, blocks, tok_s, finish = _stream_local(engine, prompt_ids, params, echo=not args.json)
+    run = _stream_local(engine, prompt_ids, params, echo=not args.json)
+    tokens, blocks, tok_s = run.tokens, run.blocks, run.tokens_per_s
     mean_block = sum(blocks) / len(blocks) if blocks else 0.0
     if not args.json:
         print()
     out = sys.stderr if args.json else sys.stdout
-    gate = f", gate {params.min_confidence:g}" if params.min_confidence > 0 else ""
-    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}, "
-          f"finish={finish}]", file=out)
+    rule = "draft stop" if params.exact else "gate"
+    gate = f", {rule} {params.min_confidence:g}" if params.min_confidence > 0 else ""
+    checked = ""
+    if params.exact:
+        rate = run.num_accepted / run.num_drafted if run.num_drafted else 0.0
+        checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}), "
+                   f"verifier {engine.verifier_name}")
+    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}{checked}, "
+          f"finish={run.finish_reason}]", file=out)
     record = {
         "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "token_ids": tokens,
-        "text": "".join(text), "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks,
-        "tau": tau, "min_confidence": params.min_confidence, "finish_reason": finish, "variant": variant,
+        "text": "".join(run.text), "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks,
+        "tau": tau, "min_confidence": params.min_confidence, "finish_reason": run.finish_reason, "variant": variant,
+        "profile": profile,
     }
+    if params.exact:
+        record.update(verifier=engine.verifier_name, num_drafted=run.num_drafted, num_accepted=run.num_accepted)
     if args.compare_tau1:
-        # the same request at τ = 1 (every position a head), same engine, measured the same way
+        # the same request at τ = 1 (every position a head), same engine, measured the same way; for the exact
+        # profile that is the verifier alone — the base model's own decoding
         base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0)
-        base_tokens, _, _, base_tok_s, _ = _stream_local(engine, prompt_ids, base, echo=False)
-        speedup = tok_s / base_tok_s if base_tok_s > 0 else 0.0
-        print(f"[τ=1 on the same request: {base_tok_s:.1f} tok/s → speedup {speedup:.2f}× at τ={tau}{gate}]",
-              file=out)
-        record.update(tau1_tokens_per_s=base_tok_s, speedup_vs_tau1=speedup, tau1_token_ids=base_tokens)
+        ref = _stream_local(engine, prompt_ids, base, echo=False)
+        speedup = tok_s / ref.tokens_per_s if ref.tokens_per_s > 0 else 0.0
+        match = ""
+        if params.exact and params.greedy:
+            same = ref.tokens == tokens
+            match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + (
+                f" ({engine.verifier_name} model)")
+            record["tokens_match_tau1"] = same
+        print(f"[τ=1 on the same request: {ref.tokens_per_s:.1f} tok/s → speedup {speedup:.2f}× at τ={tau}{gate}"
+              f"{match}]", file=out)
+        record.update(tau1_tokens_per_s=ref.tokens_per_s, speedup_vs_tau1=speedup, tau1_token_ids=ref.tokens)
     if args.json:
         print(json.dumps(record))
     return 0
 
 
-def _stream_local(engine: Any, prompt_ids: list[int], params: Any,
-                  echo: bool) -> tuple[list[int], list[str], list[int], float, str | None]:
+@dataclasses.dataclass(slots=True)
+class LocalRun:
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    tokens_per_s: float = 0.0
+    finish_reason: str | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+
+def _stream_local(engine: Any, prompt_ids: list[int], params: Any, echo: bool) -> LocalRun:
     """Run one request on a local engine; decode tokens/s counts from the first token."""
-    tokens: list[int] = []
-    blocks: list[int] = []
-    text: list[str] = []
+    run = LocalRun()
     t_first = None
-    finish = None
     for o in engine.stream(prompt_ids, params):
         if t_first is None:
             t_first = time.perf_counter()
         if o.error:
             raise UsageError(o.error)
         if o.token_id >= 0:  # -1: a tail token the confidence gate dropped (redone at a head)
-            tokens.append(o.token_id)
-        text.append(o.text_delta)
+            run.tokens.append(o.token_id)
+        run.text.append(o.text_delta)
         if echo:
             print(o.text_delta, end="", flush=True)
         if o.block:
-            blocks.append(len(o.block))
-        finish = o.finish_reason
+            run.blocks.append(len(o.block))
+        run.finish_reason = o.finish_reason
+        run.num_drafted += o.num_drafted
+        run.num_accepted += o.num_accepted
     dt = time.perf_counter() - (t_first or time.perf_counter())
-    tok_s = (len(tokens) - 1) / dt if dt > 0 and len(tokens) > 1 else 0.0
-    return tokens, text, blocks, tok_s, finish
+    run.tokens_per_s = (len(run.tokens) - 1) / dt if dt > 0 and len(run.tokens) > 1 else 0.0
+    return run
 
 
 def cmd_generate_remote(args: argparse.Namespace) -> int:
@@ -235,6 +271,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from dmtd.train.draft_vocab import run_draft_vocab
+
+    return run_draft_vocab(args)
+
+
 def bench_autoscale(argv: list[str]) -> int:
     """``dmtd bench autoscale``: the operator's simulator, which owns its own flags."""
     from dmtd_operator.simulate import main as simulate_main
@@ -289,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a variant against its base model (quality, speed, frontier)")
     add_eval_args(e)
     e.set_defaults(func=cmd_eval)
+    from dmtd.train.draft_vocab import add_draft_vocab_args
+
+    dv = sub.add_parser("draft-vocab", help="coverage of restricted tail vocabularies over corpora; write one "
+                        "into a variant (verified cycles)")
+    add_draft_vocab_args(dv)
+    dv.set_defaults(func=cmd_draft_vocab)
     return parser
 
 

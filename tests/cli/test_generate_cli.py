@@ -57,7 +57,22 @@ def test_generate_compare_tau1_reports_the_speedup_over_the_same_request(smollm2
     assert r.returncode == 2 and "--compare-tau1" in r.stderr
 
 
+def test_generate_profile_exact_says_its_tokens_are_tau1s():
+    r = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "24", "--tau", "3",
+             "--min-confidence", "0", "--compare-tau1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["profile"] == "exact" and out["verifier"] == "base" and out["num_drafted"] > 0
+    assert out["tokens_match_tau1"] is True and out["token_ids"] == out["tau1_token_ids"]
+    assert "tokens identical to τ = 1's (base model)" in r.stderr and "drafts accepted" in r.stderr
+    # and τ = 1 of the exact profile is the base model itself
+    base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json")
+    assert json.loads(base.stdout.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
+
+
 @pytest.mark.parametrize("args,words", [
+    (["--profile", "exact", "--prompt", "hi", "--min-confidence", "1.5"], "min_confidence: must be in [0, 1]"),
+    (["--profile", "fast", "--prompt", "hi"], "--profile: invalid choice"),
     (["--variant", "none", "--prompt", "hi", "--tau", "2"], "tau: must be in 1..1"),
     (["--variant", "none", "--decoding-layers", "8", "--prompt", "hi", "--tau", "9"], "tau: must be in 1..8"),
     (["--variant", "none", "--decoding-layers", "30", "--prompt", "hi"], "decoding_layers must be in 1..29"),
@@ -76,9 +91,16 @@ def test_bad_input_exits_2_naming_the_problem(args, words):
 def test_bench_engine_writes_json_and_png(tmp_path: Path):
     path = tmp_path / "bench.json"
     r = dmtd("bench", "engine", "--batch-sizes", "1,2", "--taus", "2", "--new-tokens", "6", "--prompt-len", "16",
-             "--repeats", "1", "--json", str(path), timeout=600)
+             "--repeats", "1", "--exact-taus", "2", "--json", str(path), timeout=600)
     assert r.returncode == 0, r.stderr
     data = json.loads(path.read_text())
+    exact = data["exact"]
+    assert exact["variant"]["verifier"] == "base"
+    assert {(row["batch"], row["system"]) for row in exact["rows"]} == {(b, s) for b in (1, 2) for s in ("exact1", "exact2")}
+    for row in exact["rows"]:
+        assert row["tok_s"] > 0 and 0 < row["pct_of_bound"] <= 1.0 and row["check_cost"] > 0
+        if row["system"] == "exact2":
+            assert row["acceptance"] is not None and 0 <= row["acceptance"] <= 1 and row["tail_cost"] > 0
     systems = {(row["batch"], row["system"]) for row in data["rows"]}
     assert systems == {(b, s) for b in (1, 2) for s in ("hf", "engine", "dmtd2")}
     for row in data["rows"]:

@@ -14,5 +14,11 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed repeats per configuration (best is kept)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate baseline")
+    p.add_argument("--variant", default=None,
+                   help="variant for the exact-profile rows (default: the shipped variant; 'none' skips them)")
+    p.add_argument("--exact-taus", default="2,3", help="τ of the exact-profile rows (verified cycles)")
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="exact rows: stop drafting at a draft below this top-1 probability (default: the variant's "
+                   "min_confidence)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot path (default: next to --json)")

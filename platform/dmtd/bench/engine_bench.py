@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, run_exact
 from dmtd.bench.roofline import bound_tok_s, measure_rates
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
@@ -95,13 +96,17 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     for r in rows:
         if r["batch"] in hf_rows:
             r["speedup_vs_hf"] = r["tok_s"] / hf_rows[r["batch"]]["tok_s"]
+    exact_rows, variant = exact_section(args, batches)
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, **rates.to_dict()},
         "model": str(lm.path), "num_layers": cfg.num_layers, "decoding_layers": args.decoding_layers,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": "float32", "rows": rows,
+        "exact": {"variant": variant, "rows": exact_rows} if exact_rows else None,
     }
     print_table(result)
+    if exact_rows:
+        print_exact_table(result["exact"])
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +115,42 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         plot(result, plot_path)
         print(f"wrote {path} and {plot_path}")
     return result
+
+
+def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Exact-profile rows on the variant (verified cycles), each batch with its verifier-alone τ = 1 row."""
+    from dmtd.variants.build import build_engine, engine_spec
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    names = sorted(p.parent.name for p in SHIPPED_VARIANTS.glob("*/variant.json"))
+    name = args.variant or (names[0] if names else "none")
+    taus = [int(t) for t in str(args.exact_taus).split(",") if t]
+    if name == "none" or not taus:
+        return [], None
+    spec = engine_spec(args.model, name, search_dirs=[SHIPPED_VARIANTS])
+    threshold = spec.min_confidence if args.draft_threshold is None else args.draft_threshold
+    engine = build_engine(spec, EngineConfig(max_num_seqs=max(batches), max_model_len=1024))
+    engine.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, cycle_len=2, exact=True))  # warm-up
+    rows = []
+    jobs = [(b, t) for b in batches for t in [1, *taus]]
+    for b, tau in tqdm(jobs, desc="bench engine (exact)", unit="config"):
+        r = run_exact(engine, b, tau, threshold, args.new_tokens, args.repeats)
+        rows.append({"batch": b, "system": f"exact{tau}", "tau": tau, **r})
+    add_exact_ratios(rows)
+    return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None}
+
+
+def print_exact_table(exact: dict[str, Any]) -> None:
+    v = exact["variant"]
+    print(f"\nexact profile on {v['name']} (verifier: {v['verifier']}; chat prompts, greedy; output = τ = 1's)")
+    print(f"{'batch':>5} {'system':>8} {'tok/s':>8} {'×τ=1':>6} {'bound×':>7} {'of bound':>9} {'accept':>7} "
+          f"{'acc/cyc':>7} {'tail c':>7} {'check c':>7}")
+    for r in exact["rows"]:
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        tail = f"{r['tail_cost']:.2f}" if r["tail_cost"] is not None else "-"
+        print(f"{r['batch']:>5} {r['system']:>8} {r['tok_s']:>8.1f} {r['speedup_vs_tau1']:>6.2f} "
+              f"{r['bound_speedup']:>7.2f} {100 * r['pct_of_bound']:>8.0f}% {acc:>7} {r['accepted_per_cycle']:>7.2f} "
+              f"{tail:>7} {r['check_cost']:>7.2f}")
 
 
 def add_ratios(rows: list[dict[str, Any]], batches: list[int]) -> None:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dmtd.engine.config import DMTDConfig, ModelConfig
+from dmtd.engine.config import DMTDConfig, ModelConfig, layer_bytes, lm_head_bytes
+
+__all__ = ["layer_bytes", "lm_head_bytes", "bound_tok_s", "measure_rates", "MachineRates"]
 
 
 @dataclass(slots=True)
@@ -25,16 +27,6 @@ class MachineRates:
     def to_dict(self) -> dict[str, float]:
         return {"copy_gb_s": self.copy_gb_s, "matvec_gb_s": self.matvec_gb_s,
                 "matmul_gflop_s": self.matmul_gflop_s}
-
-
-def layer_bytes(cfg: ModelConfig, elem: int = 4) -> int:
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    params = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return (params + 2 * cfg.hidden_size) * elem
-
-
-def lm_head_bytes(cfg: ModelConfig, elem: int = 4) -> int:
-    return cfg.vocab_size * cfg.hidden_size * elem
 
 
 def step_bytes(cfg: ModelConfig, num_layers: int, batch: int, context: int, elem: int = 4) -> float:

@@ -91,6 +91,17 @@ class ModelConfig:
         )
 
 
+def layer_bytes(cfg: ModelConfig, elem: int = 4) -> int:
+    """Weight bytes of one decoder layer (projections and norms) at ``elem`` bytes per value."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    params = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return (params + 2 * cfg.hidden_size) * elem
+
+
+def lm_head_bytes(cfg: ModelConfig, elem: int = 4) -> int:
+    return cfg.vocab_size * cfg.hidden_size * elem
+
+
 @dataclass(slots=True)
 class DMTDConfig:
     """Layer split and routing conventions of a DMTD variant (design.md §1).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +119,7 @@ class LLMEngine:
         self._detok: dict[str, Detokenizer] = {}
         self._gens: dict[str, torch.Generator | None] = {}
         self._draft_q: dict[str, list[torch.Tensor | None]] = {}
+        self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -197,20 +198,29 @@ class LLMEngine:
         if not out.seqs:
             return []
         if out.is_prefill:
-            results = self._sampled(out, self.runner.prefill(out.prefill))
+            results = self._sampled(out, self._timed("prefill", self.runner.prefill, out.prefill))
             for s in out.prefill:
                 s.draft_done = s.params.exact and s.max_drafts(self.cfg.max_model_len) == 0
             return results
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
         checking = [s for s in out.decode if s.params.exact and s.draft_done]
-        results = self._sampled(SchedulerOutput(decode=plain), self.runner.decode(plain), False) if plain else []
+        results = self._sampled(SchedulerOutput(decode=plain), self._timed("decode", self.runner.decode, plain),
+                                False) if plain else []
         if drafting:
             results += self._draft(drafting)
         if checking:
             results += self._check(checking)
         self.scheduler.num_decode_steps += 1
         return results
+
+    def _timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor], seqs: list[Sequence]) -> torch.Tensor:
+        t = time.perf_counter()
+        out = run(seqs)
+        st = self.pass_stats.setdefault(kind, [0, 0.0])
+        st[0] += 1
+        st[1] += time.perf_counter() - t
+        return out
 
     def _sampled(self, out: SchedulerOutput, logits: torch.Tensor, advance_clock: bool = True) -> list[StepOutput]:
         """Sample one token per row of a prefill or plain decode batch, then apply the step."""
@@ -237,7 +247,7 @@ class LLMEngine:
 
     def _draft(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A tail step of verified cycles: one draft per row, nothing emitted."""
-        d = pick_drafts(self.runner.draft(seqs), self.runner.draft_ids, [s.params for s in seqs],
+        d = pick_drafts(self._timed("draft", self.runner.draft, seqs), self.runner.draft_ids, [s.params for s in seqs],
                         [self._gens.get(s.req_id) for s in seqs])
         results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
         keep = [i for i, ok in enumerate(d.finite) if ok]
@@ -249,7 +259,7 @@ class LLMEngine:
 
     def _check(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A head of verified cycles: check every row's drafts and emit its block."""
-        logits = self.runner.verify(seqs)
+        logits = self._timed("verify", self.runner.verify, seqs)
         R = logits.shape[1]
         results: list[StepOutput] = []
         for i, s in enumerate(seqs):

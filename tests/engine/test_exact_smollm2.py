@@ -1,0 +1,46 @@
+"""The exact profile on the shipped variant: its greedy tokens are the base model's, on real chat prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmtd.engine.config import EngineConfig
+from dmtd.engine.sequence import SamplingParams
+from dmtd.variants.build import build_engine, engine_spec
+from dmtd.variants.paths import SHIPPED_VARIANTS
+
+CHATS = [
+    "Explain in three sentences why the sky is blue.", "Write a haiku about autumn.",
+    "What is the capital of France?", "List three fruits and their colours.", "How do bees make honey?",
+    "Give me two tips for better sleep.", "What is 17 times 3? Explain your steps.", "Describe a cat to a child.",
+    "Write a Python function that reverses a string.", "Why is exercise good for you?",
+    "Summarise the plot of Cinderella in two sentences.", "What causes rain?", "Name three planets.",
+    "Translate 'good morning' into French and Spanish.", "What is photosynthesis?",
+    "Write a short poem about the sea.", "How does a bicycle stay upright?", "What is a prime number?",
+    "Suggest a name for a pet goldfish and say why.", "Explain what a computer program is.",
+]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    spec = engine_spec(None, "smollm2-135m-dmtd", search_dirs=[SHIPPED_VARIANTS])
+    variant = build_engine(spec, EngineConfig(max_num_seqs=10, max_model_len=512))
+    base = build_engine(engine_spec(None, "none"), EngineConfig(max_num_seqs=10, max_model_len=512))
+    return variant, base
+
+
+@pytest.mark.parametrize("tau,threshold", [(3, 0.0), (4, 0.5)])
+def test_exact_greedy_tokens_equal_the_base_at_tau1_on_20_chat_prompts(engines, tau, threshold):
+    variant, base = engines
+    assert variant.verifier_name == "base"
+    prompts = [[{"role": "user", "content": c}] for c in CHATS]
+    ref = base.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    got = variant.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=tau, exact=True,
+                                                   min_confidence=threshold))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    drafted, accepted = sum(r.num_drafted for r in got), sum(r.num_accepted for r in got)
+    assert drafted > 100 and 0.15 < accepted / drafted < 0.95  # real drafting, real rejections
+    # the variant's own τ = 1 path (its adapted decoding layers at every head) is not the base: exactness
+    # comes from the verifier, not from a variant that happens to agree
+    own = variant.generate(prompts[:6], SamplingParams(max_new_tokens=40, cycle_len=1))
+    assert [r.token_ids for r in own] != [r.token_ids for r in ref[:6]]
