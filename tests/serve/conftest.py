@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dmtd.serve.binding import HOST_ENV
 from dmtd.serve.netns import isolate_network
 
 VARIANT = "smol-d8"
@@ -59,6 +60,7 @@ def stack(tmp_path_factory):
     isolate_network()  # first: Redis and Ray below must live on this namespace's loopback
     redis_proc, registry_url = start_registry(tmp_path_factory.mktemp("serve-redis"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(HOST_ENV, "127.0.0.1")  # as dmtd serve: Serve's per-replica gRPC server on loopback
     import ray
     from ray import serve
 

@@ -19,35 +19,15 @@ from typing import Any
 
 from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
+from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.requests import ReplicaRequest
+from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
+from dmtd.serve.requests import InvalidRequest, ReplicaRequest, check_types, validate
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 
 log = logging.getLogger("dmtd.replica")
-
-
-class Overloaded(RuntimeError):
-    """The replica's queue is full; retry after ``retry_after_ms``."""
-
-    def __init__(self, retry_after_ms: int) -> None:
-        super().__init__(f"replica queue is full; retry after {retry_after_ms} ms")
-        self.retry_after_ms = retry_after_ms
-
-    def __reduce__(self) -> tuple[type, tuple[int]]:  # crosses Ray: rebuild from our own arguments
-        return (Overloaded, (self.retry_after_ms,))
-
-
-class RequestFailed(RuntimeError):
-    """A request was rejected by the engine (bad input the gateway could not see, e.g. prompt length)."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field_name
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (RequestFailed, (self.field, str(self)))
 
 
 @dataclass
@@ -66,6 +46,7 @@ class _Live:
     t_admit_wall: float = 0.0
     t_last: float = 0.0
     cycles_cut: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 class EngineLoop:
@@ -83,6 +64,7 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self.restarts = 0
 
     # -- bookkeeping visible to tests and metrics ----------------------------------------------
     @property
@@ -94,7 +76,8 @@ class EngineLoop:
         return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
-                "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name}
+                "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
+                "loop_restarts": self.restarts}
 
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
@@ -132,10 +115,11 @@ class EngineLoop:
         if tel is not None:
             tel.on_arrival(req.request_id, req.traceparent, {"dmtd.tau_bounds": f"{lo}..{hi}",
                                                              "dmtd.max_new_tokens": req.max_new_tokens})
-        self._adds.append(req.request_id)
         self._ensure_task()
-        self._wake.set()
         try:
+            live.prompt_ids = await self._encode(req)
+            self._adds.append(req.request_id)
+            self._wake.set()
             while True:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
@@ -151,9 +135,49 @@ class EngineLoop:
             if tel is not None:
                 tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
 
+    async def _encode(self, req: ReplicaRequest) -> list[int]:
+        """The prompt's token ids, computed on the engine's thread (off the event loop, between steps)."""
+        name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
+        prompt: Any = req.messages or req.prompt_token_ids or req.prompt
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.encode, prompt)
+        except RequestError as e:
+            raise RequestFailed(e.field, str(e)) from e
+        except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
+            raise RequestFailed(name, f"{name}: cannot be tokenised ({type(e).__name__}: {e})"[:300]) from e
+        except Exception as e:
+            raise self._internal(req.request_id, "tokenising the prompt failed", e) from e
+
+    def _internal(self, rid: str, what: str, e: BaseException) -> ReplicaInternalError:
+        err = ReplicaInternalError(f"{what} ({type(e).__name__})")
+        log.error("request %s: %s [error id %s]", rid, what, err.error_id, exc_info=e)
+        return err
+
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Run the loop; if it ever ends with an exception, count it and start it again."""
+        while True:
+            try:
+                await self._run()
+            except Exception:
+                self.restarts += 1
+                log.exception("engine loop of %s ended; restarting it (restart %d)", self.replica_name,
+                              self.restarts)
+                if self.telemetry is not None:
+                    self.telemetry.on_loop_restart()
+                await asyncio.sleep(0.01)
+
+    def _fail(self, rid: str, error: BaseException, reason: str = "error") -> None:
+        """End one request with ``error``; the engine frees its slot before the next step."""
+        live = self.live.pop(rid, None)
+        if live is not None:
+            live.queue.put_nowait(error)
+        self._aborts.add(rid)
+        if self.telemetry is not None:
+            self.telemetry.on_finish(rid, reason, error=str(error))
 
     def _admit(self, rid: str) -> None:
         live = self.live.get(rid)
@@ -167,13 +191,15 @@ class EngineLoop:
             params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
                                     stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf)
-            prompt: Any = r.messages or r.prompt_token_ids or r.prompt
-            self.engine.add_request(prompt, params, req_id=rid)
+            self.engine.add_request(live.prompt_ids, params, req_id=rid)
         except RequestError as e:
-            self.live.pop(rid, None)
-            live.queue.put_nowait(RequestFailed(e.field, str(e)))
-            if self.telemetry is not None:
-                self.telemetry.on_finish(rid, "error", error=str(e))
+            self._fail(rid, RequestFailed(e.field, str(e)))
+            return
+        except (ValueError, TypeError, OverflowError) as e:  # a field of the wrong type or range got this far
+            self._fail(rid, RequestFailed("request", f"request: rejected by the engine ({type(e).__name__}: {e})"))
+            return
+        except Exception as e:
+            self._fail(rid, self._internal(rid, "admission failed", e))
             return
         live.prompt_tokens = self.engine.seqs[rid].prompt_len
         live.t_admit_wall = time.time()
@@ -200,17 +226,18 @@ class EngineLoop:
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception as e:  # an engine bug must not hang every stream
-                log.exception("engine step failed")
-                for rid, live in list(self.live.items()):
-                    live.queue.put_nowait(RuntimeError(f"engine step failed: {e}"))
-                    self._aborts.add(rid)
+                for rid in list(self.live):
+                    self._fail(rid, self._internal(rid, "engine step failed", e))
                 continue
             self.num_steps += 1
             now = time.perf_counter()
             if self.telemetry is not None:
                 self._observe_step(outputs, now - t_step)
             for o in outputs:
-                self._dispatch(o, now)
+                try:
+                    self._dispatch(o, now)
+                except Exception as e:
+                    self._fail(o.req_id, self._internal(o.req_id, "delivering a block failed", e))
             self._apply_controller()
 
     def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
@@ -299,6 +326,7 @@ class DMTDReplica:
     def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
                  registry_url: str | None = None, variant: str | None = None,
                  telemetry: dict[str, Any] | None = None) -> None:
+        bind_serve_internal_grpc()
         engine, cfg = engine_factory()
         self.name = name or f"replica-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name)
@@ -340,7 +368,13 @@ class DMTDReplica:
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
-        async with contextlib.aclosing(self.loop.submit(ReplicaRequest(**request))) as blocks:
+        try:
+            req = validate(check_types(ReplicaRequest(**request)))
+        except TypeError as e:
+            raise RequestFailed("request", f"request: not a replica request ({e})") from e
+        except InvalidRequest as e:
+            raise RequestFailed(e.field, str(e)) from e
+        async with contextlib.aclosing(self.loop.submit(req)) as blocks:
             async for block in blocks:
                 yield block
 
