@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ from dmtd.serve.binding import HOST_ENV
 from dmtd.serve.netns import isolate_network
 
 VARIANT = "smol-d8"
+FUZZ_REPORT: dict[str, dict[str, Any]] = {}  # filled by test_fuzz.py, printed at the end of the run
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
 @dataclass
@@ -80,3 +84,27 @@ def stack(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     redis_proc.terminate()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def heartbeat(stack):
+    """A stream kept in flight for the whole test (tests.serve.heartbeat)."""
+    from tests.serve.heartbeat import Heartbeat
+
+    with Heartbeat(stack.grpc_target) as hb:
+        yield hb
+    from tests.serve.test_stack import wait_idle
+
+    wait_idle(stack, 30)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not FUZZ_REPORT:
+        return
+    terminalreporter.section("hostile-input fuzzing")
+    for api, r in FUZZ_REPORT.items():
+        terminalreporter.write_line(f"{api}: {r['cases']} cases (seed {r['seed']}) {r['outcomes']}; in-flight stream: "
+                                    f"median block interval {r['stream_interval_median_ms']} ms, longest wait for "
+                                    f"its next block after a case {r['max_wait_for_next_block_ms']} ms")
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "fuzz.json").write_text(json.dumps(FUZZ_REPORT, indent=2))

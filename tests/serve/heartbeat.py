@@ -10,6 +10,8 @@ import grpc
 
 from dmtd.client import DMTDClient
 
+INTERNAL_NAMES = ("max_new_tokens", "sampling.", "cycle.", "chat.messages")  # never in an OpenAI API error
+
 
 class Heartbeat:
     """Streams long greedy requests back to back, recording when each block arrives."""
@@ -79,3 +81,8 @@ class Heartbeat:
             assert time.monotonic() < deadline, (f"the in-flight stream stalled: no block for {budget_s:.1f} s "
                                                  f"(errors: {self.errors})")
             time.sleep(0.005)
+
+
+def budget(hb: Heartbeat) -> float:
+    """How long the in-flight stream may go without a block: its normal interval, with room for a shared CPU."""
+    return max(2.0, 12 * hb.median_interval_s())

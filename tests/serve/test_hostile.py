@@ -16,23 +16,9 @@ import requests
 from dmtd.client import DMTDClient, build_request
 from dmtd.serve.errors import RequestFailed
 from tests.serve.conftest import VARIANT
-from tests.serve.heartbeat import Heartbeat
-from tests.serve.test_stack import wait_idle
+from tests.serve.heartbeat import INTERNAL_NAMES, budget
 
 CHAT = [{"role": "user", "content": "Hi"}]
-INTERNAL_NAMES = ("max_new_tokens", "sampling.", "cycle.", "chat.messages")
-
-
-@pytest.fixture
-def heartbeat(stack):
-    with Heartbeat(stack.grpc_target) as hb:
-        yield hb
-    wait_idle(stack, 30)
-
-
-def budget(hb: Heartbeat) -> float:
-    """How long the in-flight stream may go without a block: its normal interval, with room for a shared CPU."""
-    return max(2.0, 12 * hb.median_interval_s())
 
 
 def post(stack, path: str, body: bytes | dict | list, timeout: float = 30.0, **headers: str) -> requests.Response:
