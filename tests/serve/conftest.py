@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,40 @@ def stack(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     redis_proc.terminate()  # type: ignore[attr-defined]
+
+
+API_KEYS = ("key-one-3f9a", "key-two-77c1")
+
+
+@dataclass
+class SecureStack:
+    grpc_target: str  # TLS; the certificate names localhost
+    http_url: str
+    cert_pem: bytes
+
+
+@pytest.fixture(scope="session")
+def secure_stack(stack, tmp_path_factory):
+    """A second gateway over the same replica, with API keys and gRPC TLS: its own Serve app at /secure."""
+    from ray import serve
+
+    from dmtd.serve.app import GatewayIngress
+
+    d = tmp_path_factory.mktemp("secure")
+    keys, cert, key = d / "api-keys", d / "cert.pem", d / "key.pem"
+    keys.write_text(f"# one key a line\n{API_KEYS[0]}\n\n{API_KEYS[1]}\n")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = free_port()
+    replica = serve.get_deployment_handle("DMTDReplica", app_name=stack.app)
+    gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
+                                    ray_actor_options={"num_cpus": 0})
+    app = gateway.bind({VARIANT: replica}, [{"name": VARIANT, "status": "active", "traffic_weight": 1.0}], VARIANT,
+                       "127.0.0.1", port, 10, None, None, None, None, str(keys), str(cert), str(key))
+    serve.run(app, name="dmtd-secure", route_prefix="/secure")
+    yield SecureStack(f"localhost:{port}", stack.http_url + "/secure", cert.read_bytes())
+    serve.delete("dmtd-secure")
 
 
 @pytest.fixture

@@ -149,7 +149,7 @@ class Gateway:
         if self.keys.accepts_header(request.headers.get("authorization")):
             return None
         self.telemetry.rejected("", "UNAUTHENTICATED")
-        basic = request.url.path.startswith("/dashboard")  # a browser asks for the key as a password
+        basic = "/dashboard" in request.url.path  # a browser asks for the key as a password
         return JSONResponse(error_body("missing or invalid API key (send Authorization: Bearer <key>)",
                                        "authentication_error", code="invalid_api_key"), 401,
                             headers={"WWW-Authenticate": 'Basic realm="dmtd"' if basic else "Bearer"})
