@@ -3,11 +3,14 @@ the field, fast, and a stream already in flight keeps producing tokens throughou
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import threading
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -200,3 +203,38 @@ def test_no_page_loads_external_assets(stack):
     assert "ChatCompletionRequest" in doc["components"]["schemas"]
     page = requests.get(stack.http_url + "/dashboard", timeout=10).text
     assert "http://" not in page and "https://" not in page
+
+
+def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    raw = bytes.fromhex(hex_addr)  # /proc/net/tcp{,6}: 32-bit words in host (little-endian) order
+    addr = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return getattr(addr, "ipv4_mapped", None) or addr
+
+
+def listening(pid: str) -> list[str]:
+    """host:port of every TCP socket process ``pid`` listens on (from this namespace's /proc/net)."""
+    fds = Path(f"/proc/{pid}/fd").iterdir()
+    inodes = {t[8:-1] for t in (os.readlink(fd) for fd in fds) if t.startswith("socket:[")}
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                host, port = cols[1].split(":")
+                out.append(f"{_address(host)}:{int(port, 16)}")
+    return out
+
+
+def test_serve_replicas_listen_on_loopback_only(stack):
+    """Ray Serve binds its per-replica gRPC server to [::]; dmtd serve (and this stack) keep it on loopback."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace") if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if "ServeReplica:dmtd:" in cmd:
+            found[cmd.split("\0")[0]] = listening(proc.name)
+    assert len(found) >= 2, found
+    for name, addrs in found.items():
+        assert addrs and all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for a in addrs), (name, addrs)

@@ -114,12 +114,19 @@ def serve_not_up() -> str:
     return ", ".join(bad) or "the Serve application"
 
 
+def prepare_environment(ready_timeout_s: float, env: dict[str, str] | None = None) -> None:
+    """Before ``ray.init`` (Ray's processes inherit it): Serve's proxy readiness and health waits sized for a
+    loaded node (its default 5 s killed the proxy while a compiler kept both cores busy), Serve's per-replica
+    gRPC server on loopback (``dmtd.serve.binding``). Values already set win."""
+    env = os.environ if env is None else env
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for var in READY_ENV:
+        env.setdefault(var, str(ready_timeout_s))
+    env.setdefault(HOST_ENV, "127.0.0.1")
+
+
 def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ready_s = float(getattr(args, "ready_timeout_s", 60.0))
-    for var in READY_ENV:  # read by Serve's controller, which inherits this environment through ray.init
-        os.environ.setdefault(var, str(ready_s))
-    os.environ.setdefault(HOST_ENV, "127.0.0.1")  # Serve's per-replica gRPC server: loopback (dmtd.serve.binding)
+    prepare_environment(float(getattr(args, "ready_timeout_s", 60.0)))
     from dmtd.registry import embedded_redis, registry_url
 
     url = registry_url(getattr(args, "registry", None)) or embedded_redis()
