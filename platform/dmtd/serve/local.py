@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from dmtd.serve.binding import HOST_ENV
@@ -114,15 +114,15 @@ def serve_not_up() -> str:
     return ", ".join(bad) or "the Serve application"
 
 
-def prepare_environment(ready_timeout_s: float, env: dict[str, str] | None = None) -> None:
+def prepare_environment(ready_timeout_s: float, env: MutableMapping[str, str] | None = None) -> None:
     """Before ``ray.init`` (Ray's processes inherit it): Serve's proxy readiness and health waits sized for a
     loaded node (its default 5 s killed the proxy while a compiler kept both cores busy), Serve's per-replica
     gRPC server on loopback (``dmtd.serve.binding``). Values already set win."""
-    env = os.environ if env is None else env
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    target: MutableMapping[str, str] = os.environ if env is None else env
+    target.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for var in READY_ENV:
-        env.setdefault(var, str(ready_timeout_s))
-    env.setdefault(HOST_ENV, "127.0.0.1")
+        target.setdefault(var, str(ready_timeout_s))
+    target.setdefault(HOST_ENV, "127.0.0.1")
 
 
 def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
