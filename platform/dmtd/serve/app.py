@@ -284,6 +284,7 @@ def build_app(args: dict[str, Any]) -> Any:
     if omp_wait_policy.upper() not in ("", "PASSIVE", "ACTIVE"):
         raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {omp_wait_policy!r}")
     handles, infos, deployments = {}, [], {}
+    limits = Limits(**(args.get("limits") or {}))  # refused here, at build time, when a limit is malformed
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
     telemetry.update(args.get("telemetry") or {})
     telemetry.setdefault("metrics_host", args.get("grpc_host", "127.0.0.1"))  # on Kubernetes: 0.0.0.0
@@ -306,7 +307,7 @@ def build_app(args: dict[str, Any]) -> Any:
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options=replica_actor)
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
-                                      v["name"], telemetry)
+                                      v["name"], telemetry, limits.model_dump())
         deployments[v["name"]] = name
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
@@ -315,7 +316,6 @@ def build_app(args: dict[str, Any]) -> Any:
         actor["resources"] = dict(args["gateway_resources"])
     gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
                                     max_ongoing_requests=1000, ray_actor_options=actor)
-    limits = Limits(**(args.get("limits") or {}))  # refused here, at build time, when a limit is malformed
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
                         int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"),
                         telemetry, deployments, limits.model_dump(), args.get("api_keys_file"),
