@@ -169,8 +169,11 @@ def test_streaming_refusals_are_real_status_codes(stack, heartbeat):
     finally:
         for f in fillers:
             f.cancel()
-    r = post(stack, "/v1/chat/completions", {"messages": CHAT, "stream": True, "max_tokens": 4, "temperature": 0})
+    r = post(stack, "/v1/chat/completions", {"messages": CHAT, "stream": True, "max_tokens": 4, "temperature": 0,
+                                             "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["choices"] == [] and 1 <= events[-1]["usage"]["completion_tokens"] <= 4
 
 
 def test_temperature_below_the_floor_is_greedy(stack):

@@ -21,9 +21,16 @@ from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig
 from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
-from dmtd.serve.openai_api import completion_chunk, completion_response, error_body, install_openapi, read_body
+from dmtd.serve.openai_api import (
+    completion_chunk,
+    completion_response,
+    error_body,
+    install_openapi,
+    read_body,
+    usage_chunk,
+)
 from dmtd.serve.openai_models import openai_field, openai_text, parse_body
-from dmtd.serve.requests import InvalidRequest, Limits
+from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
@@ -202,7 +209,7 @@ class Gateway:
             route = self.core.admit(body.model if body.model not in ("", "default") else "")
         except InvalidRequest as e:
             self.telemetry.rejected("", "INVALID_ARGUMENT")
-            status = 413 if e.field == "body" and "bytes" in e.rule else 400
+            status = 413 if isinstance(e, TooLarge) else 400
             return JSONResponse(error_body(str(e), "invalid_request_error", e.field), status)
         except GatewayError as e:
             return self._error(e, chat)
@@ -215,7 +222,9 @@ class Gateway:
                 return self._error(e, chat)
             except StopAsyncIteration:
                 first = None
-            return StreamingResponse(self._sse(blocks, first, rid, route.name, chat), media_type="text/event-stream")
+            with_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(blocks, first, rid, route.name, chat, with_usage),
+                                     media_type="text/event-stream")
         text: list[str] = []
         finish: str | None = None
         usage: dict[str, int] = {}
@@ -240,7 +249,7 @@ class Gateway:
 
     @staticmethod
     async def _sse(blocks: AsyncIterator[dict[str, Any]], head: dict[str, Any] | None, rid: str, model: str,
-                   chat: bool) -> AsyncIterator[str]:
+                   chat: bool, include_usage: bool = False) -> AsyncIterator[str]:
         async def chained() -> AsyncIterator[dict[str, Any]]:
             if head is not None:
                 yield head
@@ -248,9 +257,11 @@ class Gateway:
                 yield b
 
         first = True
+        usage: dict[str, int] | None = None
         try:
             async for b in chained():
                 finish = b.get("finish_reason")
+                usage = b.get("usage") or usage
                 if b["text"] or finish or first:
                     yield completion_chunk(rid, model, chat, b["text"], finish, first)
                     first = False
@@ -260,6 +271,8 @@ class Gateway:
             close = getattr(blocks, "aclose", None)
             if close is not None:
                 await close()
+        if include_usage and usage is not None:
+            yield usage_chunk(rid, model, chat, usage)
         yield "data: [DONE]\n\n"
 
 

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from dmtd.serve.auth import ApiKeys, AuthInterceptor
 from dmtd.serve.convert import rechunk, to_token_block, to_variant_info
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
-from dmtd.serve.requests import InvalidRequest, Limits, ReplicaRequest, from_proto
+from dmtd.serve.requests import InvalidRequest, Limits, ReplicaRequest, TooLarge, from_proto
 from dmtd.serve.routing import Route, Router, VariantNotFound
 from dmtd.telemetry.config import TelemetrySettings
 from dmtd.telemetry.gateway import GatewayTelemetry, RequestTelemetry
@@ -141,7 +141,7 @@ class GatewayCore:
 def decode(cls: type[Message], raw: bytes, max_bytes: int) -> Any:
     """Parse a serialized request; a corrupt or oversized one is :class:`InvalidRequest`, not UNKNOWN."""
     if len(raw) > max_bytes:
-        raise InvalidRequest("request", f"at most {max_bytes} bytes serialized, got {len(raw)}")
+        raise TooLarge("request", f"at most {max_bytes} bytes serialized, got {len(raw)}")
     try:
         return cls.FromString(raw)
     except DecodeError as e:

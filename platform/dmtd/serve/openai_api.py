@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from dmtd.serve.openai_models import ChatCompletionRequest, CompletionRequest
-from dmtd.serve.requests import InvalidRequest
+from dmtd.serve.requests import TooLarge
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
@@ -30,10 +30,23 @@ def completion_chunk(rid: str, model: str, chat: bool, text: str, finish: str | 
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def completion_response(rid: str, model: str, chat: bool, text: str, finish: str | None,
-                        usage: dict[str, int]) -> dict[str, Any]:
+def openai_usage(usage: dict[str, int]) -> dict[str, int]:
     u = {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0)}
     u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    return u
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage: dict[str, int]) -> str:
+    """The last SSE chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
+    payload: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                               "created": int(time.time()), "model": model, "choices": [],
+                               "usage": openai_usage(usage)}
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def completion_response(rid: str, model: str, chat: bool, text: str, finish: str | None,
+                        usage: dict[str, int]) -> dict[str, Any]:
+    u = openai_usage(usage)
     reason = FINISH.get(finish or "stop", "stop")
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -51,7 +64,7 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, refused as soon as it is known to exceed ``max_bytes`` (header or stream)."""
-    too_big = InvalidRequest("body", f"at most {max_bytes} bytes")
+    too_big = TooLarge("body", f"at most {max_bytes} bytes")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise too_big

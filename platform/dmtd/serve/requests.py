@@ -39,7 +39,11 @@ class InvalidRequest(ValueError):
         self.field, self.rule = field_name, rule
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (InvalidRequest, (self.field, self.rule))
+        return (type(self), (self.field, self.rule))
+
+
+class TooLarge(InvalidRequest):
+    """The request as a whole exceeds a size limit (HTTP 413; gRPC INVALID_ARGUMENT)."""
 
 
 @dataclass(slots=True)
