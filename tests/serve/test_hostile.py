@@ -122,6 +122,15 @@ def test_big_body_is_413_at_once_and_the_stream_does_not_stall(stack, heartbeat)
         list(c.generate(prompt="a" * 3_900_000, max_new_tokens=4))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request")
     heartbeat.assert_advances(time.monotonic(), budget(heartbeat))
+    t0 = time.monotonic()  # within the character limit: tokenised (off the event loop), then too long for the context
+    with DMTDClient(stack.grpc_target) as c, pytest.raises(grpc.RpcError) as e:
+        list(c.generate(prompt="word " * 13_000, max_new_tokens=4))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("prompt")
+    heartbeat.assert_advances(time.monotonic(), budget(heartbeat))
+    gaps = heartbeat.gaps_since(t0)
+    print(f"65,000-character prompt: refused after {time.monotonic() - t0:.2f} s; "
+          f"max stream gap {max(gaps) * 1e3:.0f} ms")
+    assert max(gaps) < budget(heartbeat)
 
 
 def raw_generate(stack, payload: bytes) -> grpc.RpcError:
