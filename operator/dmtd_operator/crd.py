@@ -68,7 +68,8 @@ def _structural(node: dict[str, Any], *, keep_defaults: bool) -> dict[str, Any]:
         if keep_defaults:
             required = set(out.get("required", []))
             for name, prop in out["properties"].items():
-                if name not in required and prop.get("type") == "object" and "default" not in prop:
+                if name not in required and prop.get("type") == "object" and "default" not in prop \
+                        and not prop.get("nullable"):  # an optional object stays absent
                     prop["default"] = {}
     return out
 

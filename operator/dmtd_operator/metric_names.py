@@ -87,6 +87,11 @@ ENGINE_STEPS_TOTAL = MetricName(
     "dmtd_engine_steps_total", "counter", "Batched engine steps, by kind (prefill, decode).",
     (*REPLICA_LABELS, "kind"),
 )
+ENGINE_LOOP_RESTARTS_TOTAL = MetricName(
+    "dmtd_engine_loop_restarts_total", "counter",
+    "Times the replica's engine loop ended with an exception and its supervisor started it again.",
+    REPLICA_LABELS,
+)
 QUEUE_DEPTH = MetricName(
     "dmtd_queue_depth", "gauge", "Requests admitted by a replica and waiting for a batch slot.", REPLICA_LABELS,
 )
@@ -144,6 +149,7 @@ ALL: tuple[MetricName, ...] = (
     HEAD_STEPS_TOTAL,
     TAIL_STEPS_TOTAL,
     ENGINE_STEPS_TOTAL,
+    ENGINE_LOOP_RESTARTS_TOTAL,
     QUEUE_DEPTH,
     BATCH_SIZE,
     KV_CACHE_OCCUPANCY,

@@ -41,12 +41,24 @@ def _meta(t: Target, name: str, component: str) -> Body:
     return meta
 
 
+TLS_DIR = "/etc/dmtd/tls"
+
+
+def _tls_args(t: Target) -> tuple[Body, Body]:
+    """Serve's HTTP ``ssl_*`` options and the gateway's gRPC TLS files, from the mounted TLS Secret."""
+    if not t.spec.serving.tls_secret:
+        return {}, {}
+    cert, key = f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key"
+    return {"ssl_certfile": cert, "ssl_keyfile": key}, {"tls_cert_file": cert, "tls_key_file": key}
+
+
 def serve_config(t: Target) -> Body:
     """The Serve config (serveConfigV2) as a dict."""
     s = t.spec
+    http_tls, grpc_tls = _tls_args(t)
     return {
         "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": r.SERVE_HTTP_PORT},
+        "http_options": {"host": "0.0.0.0", "port": r.SERVE_HTTP_PORT, **http_tls},
         # gRPC is served by the Gateway deployment's own grpc.aio server (docs/architecture.md), pinned to
         # the head pod through a custom resource so the gateway Service can target it.
         "applications": [
@@ -68,6 +80,7 @@ def serve_config(t: Target) -> Body:
                     "gateway_resources": {r.GATEWAY_RESOURCE: 1},
                     "usd_per_gpu_hour": s.cost.usd_per_gpu_hour,
                     "replica_type": s.resources.gpu_type or "gpu",
+                    **grpc_tls,
                 },
                 "deployments": [
                     {
@@ -88,11 +101,24 @@ def serve_config(t: Target) -> Body:
 
 
 def _env(t: Target) -> list[Body]:
-    return [
+    env: list[Body] = [
         {"name": "DMTD_DEPLOYMENT", "value": t.name},
         {"name": "DMTD_REGISTRY_URL", "value": t.registry_url},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
+    ref = t.spec.serving.api_keys_secret
+    if ref is not None:  # read by the gateway (dmtd.serve.auth); the keys never enter the Serve config
+        env.append({"name": "DMTD_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
+
+
+def _pod(t: Target, container: Body, **extra: Any) -> Body:
+    """A pod spec around ``container``, with the TLS Secret mounted when there is one."""
+    pod: Body = {"containers": [container], **extra}
+    if t.spec.serving.tls_secret:
+        container["volumeMounts"] = [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
+        pod["volumes"] = [{"name": "tls", "secret": {"secretName": t.spec.serving.tls_secret}}]
+    return pod
 
 
 def _container(t: Target, name: str, cpu: str, memory: str, gpus: int) -> Body:
@@ -118,9 +144,7 @@ def ray_service(t: Target) -> Body:
     """The KubeRay RayService (ray.io/v1) running the DMTD Serve application."""
     s = t.spec
     gpus = s.resources.gpus_per_replica
-    worker_pod: Body = {
-        "containers": [_container(t, "ray-worker", s.serving.worker_cpu, s.serving.worker_memory, gpus)]
-    }
+    worker_pod = _pod(t, _container(t, "ray-worker", s.serving.worker_cpu, s.serving.worker_memory, gpus))
     if gpus:
         worker_pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         if s.resources.gpu_type:
@@ -144,11 +168,7 @@ def ray_service(t: Target) -> Body:
                     },
                     "template": {
                         "metadata": {"labels": labels},
-                        "spec": {
-                            "containers": [
-                                _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)
-                            ]
-                        },
+                        "spec": _pod(t, _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)),
                     },
                 },
                 "workerGroupSpecs": [

@@ -212,8 +212,17 @@ class Cost(_Model):
     usd_per_gpu_hour: float = Field(default=2.5, ge=0, description="Price of one GPU-hour in USD.")
 
 
+class SecretKeyRef(_Model):
+    """One key of a Secret in the deployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$",
+                      description="Secret name.")
+    key: str = Field(default="api-keys", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key in the Secret.")
+
+
 class Serving(_Model):
-    """How replicas run: the serving image and where the variant registry lives."""
+    """How replicas run: the serving image, where the variant registry lives, authentication and TLS."""
 
     image: str = Field(default="ghcr.io/dmtd/serving:latest", min_length=1, description="Serving image.")
     ray_version: str = Field(default="2.60.0", description="Ray version inside the image.")
@@ -225,6 +234,15 @@ class Serving(_Model):
     head_memory: str = Field(default="8Gi", description="Memory of the Ray head pod.")
     worker_cpu: str = Field(default="4", description="CPU request of one replica's worker pod.")
     worker_memory: str = Field(default="32Gi", description="Memory of one replica's worker pod.")
+    api_keys_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API keys (comma- or newline-separated) as env DMTD_API_KEYS; "
+        "then every gRPC / HTTP call needs one (authorization: Bearer KEY).",
+    )
+    tls_secret: str = Field(
+        default="", max_length=253, pattern=r"^([a-z0-9]([-.a-z0-9]*[a-z0-9])?)?$",
+        description="kubernetes.io/tls Secret (tls.crt, tls.key): the gateway's gRPC and Serve's HTTP serve TLS.",
+    )
     grpc_servicer_functions: list[str] = Field(
         default_factory=lambda: list(DEFAULT_GRPC_SERVICERS),
         max_length=8,

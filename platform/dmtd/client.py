@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,27 +48,37 @@ def build_request(prompt: str | None = None, messages: Sequence[dict[str, str]] 
 
 
 class DMTDClient:
-    """A blocking client; ``generate`` streams :class:`dmtd.v1.TokenBlock` messages as they arrive."""
+    """A blocking client; ``generate`` streams :class:`dmtd.v1.TokenBlock` messages as they arrive.
 
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    ``api_key`` (default: env ``DMTD_API_KEY``) is sent as ``authorization: Bearer`` metadata; with
+    ``root_certificates`` (PEM bytes of the CA, or of a self-signed server certificate) the channel is TLS."""
+
+    def __init__(self, target: str, timeout_s: float | None = None, api_key: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
+        if root_certificates is not None:
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+        else:
+            self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerateServiceStub(self.channel)
         self.timeout_s = timeout_s
+        key = api_key if api_key is not None else os.environ.get("DMTD_API_KEY")
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
 
     def generate(self, prompt: str | None = None, timeout_s: float | None = None,
                  **kwargs: Any) -> Iterator[pb.TokenBlock]:
         """Stream the blocks of one request. Breaking out of the loop cancels the request on the server."""
-        call = self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout_s or self.timeout_s)
+        call = self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                  metadata=self.metadata)
         try:
             yield from call
         finally:
             call.cancel()
 
     def list_variants(self) -> pb.ListVariantsResponse:
-        return self.stub.ListVariants(pb.ListVariantsRequest(), timeout=self.timeout_s)
+        return self.stub.ListVariants(pb.ListVariantsRequest(), timeout=self.timeout_s, metadata=self.metadata)
 
     def get_variant(self, name: str) -> pb.VariantInfo:
-        return self.stub.GetVariant(pb.GetVariantRequest(name=name), timeout=self.timeout_s)
+        return self.stub.GetVariant(pb.GetVariantRequest(name=name), timeout=self.timeout_s, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -46,6 +46,8 @@ VALUES: dict[str, dict[str, Any]] = {
                 "resources": {"gpusPerReplica": 2, "gpuType": "NVIDIA-A100-SXM4-80GB"},
                 "tau": {"min": 1, "baseline": 2, "max": 4},
                 "scaling": {"scaleUpWindowS": 15, "scaleDownWindowS": 600},
+                "serving": {"image": "ghcr.io/dmtd/serving:0.1.0", "tlsSecret": "dmtd-gateway-tls",
+                            "apiKeysSecret": {"name": "dmtd-api-keys", "key": "keys"}},
             },
         },
         "grafanaDashboard": {"namespace": "monitoring"},
@@ -171,3 +173,26 @@ def test_external_redis_needs_a_url_or_a_secret(tmp_path: Path) -> None:
     typo.write_text(yaml.safe_dump({"gateway": {"typ": "LoadBalancer"}}))
     res = helm("template", "rel", str(CHART), "-f", str(typo))
     assert res.returncode != 0 and "typ" in res.stderr
+
+
+def test_api_keys_and_tls_secrets_reach_the_serving_pods(tmp_path: Path) -> None:
+    """The chart renders the Secret references; the operator turns them into env, mounts and Serve options."""
+    (cr,) = [d for d in template(tmp_path, "secret-redis-custom-deployment") if d["kind"] == r.KIND]
+    assert cr["spec"]["serving"]["apiKeysSecret"] == {"name": "dmtd-api-keys", "key": "keys"}
+    spec = DMTDDeploymentSpec.model_validate(cr["spec"])
+    rs = render.ray_service(render.Target("canary", "dmtd", spec, 1, 1, 4, "redis://x"))
+    cluster = rs["spec"]["rayClusterConfig"]
+    for pod in (cluster["headGroupSpec"]["template"]["spec"], cluster["workerGroupSpecs"][0]["template"]["spec"]):
+        (container,) = pod["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["DMTD_API_KEYS"]["valueFrom"] == {"secretKeyRef": {"name": "dmtd-api-keys", "key": "keys"}}
+        assert pod["volumes"] == [{"name": "tls", "secret": {"secretName": "dmtd-gateway-tls"}}]
+        assert container["volumeMounts"][0]["mountPath"] == render.TLS_DIR
+    serve_cfg = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert serve_cfg["http_options"]["ssl_certfile"] == f"{render.TLS_DIR}/tls.crt"
+    assert serve_cfg["applications"][0]["args"]["tls_key_file"] == f"{render.TLS_DIR}/tls.key"
+    assert "dmtd-api-keys" not in rs["spec"]["serveConfigV2"] and "keys" not in serve_cfg["applications"][0]["args"]
+    plain = render.ray_service(render.Target("d", "dmtd", DMTDDeploymentSpec.model_validate(
+        {"variants": [{"name": "v", "modelUri": "m"}]}), 1, 1, 1, "redis://x"))
+    head = plain["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "volumes" not in head and all(e["name"] != "DMTD_API_KEYS" for e in head["containers"][0]["env"])

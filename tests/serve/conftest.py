@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dmtd.serve.binding import HOST_ENV
 from dmtd.serve.netns import isolate_network
 
 VARIANT = "smol-d8"
+FUZZ_REPORT: dict[str, dict[str, Any]] = {}  # filled by test_fuzz.py, printed at the end of the run
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
 @dataclass
@@ -59,6 +65,7 @@ def stack(tmp_path_factory):
     isolate_network()  # first: Redis and Ray below must live on this namespace's loopback
     redis_proc, registry_url = start_registry(tmp_path_factory.mktemp("serve-redis"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(HOST_ENV, "127.0.0.1")  # as dmtd serve: Serve's per-replica gRPC server on loopback
     import ray
     from ray import serve
 
@@ -78,3 +85,61 @@ def stack(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     redis_proc.terminate()  # type: ignore[attr-defined]
+
+
+API_KEYS = ("key-one-3f9a", "key-two-77c1")
+
+
+@dataclass
+class SecureStack:
+    grpc_target: str  # TLS; the certificate names localhost
+    http_url: str
+    cert_pem: bytes
+
+
+@pytest.fixture(scope="session")
+def secure_stack(stack, tmp_path_factory):
+    """A second gateway over the same replica, with API keys and gRPC TLS: its own Serve app at /secure."""
+    from ray import serve
+
+    from dmtd.serve.app import GatewayIngress
+
+    d = tmp_path_factory.mktemp("secure")
+    keys, cert, key = d / "api-keys", d / "cert.pem", d / "key.pem"
+    keys.write_text(f"# one key a line\n{API_KEYS[0]}\n\n{API_KEYS[1]}\n")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = free_port()
+    replica = serve.get_deployment_handle("DMTDReplica", app_name=stack.app)
+    gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
+                                    ray_actor_options={"num_cpus": 0})
+    app = gateway.bind({VARIANT: replica}, [{"name": VARIANT, "status": "active", "traffic_weight": 1.0}], VARIANT,
+                       "127.0.0.1", port, 10, None, None, None, None, str(keys), str(cert), str(key))
+    serve.run(app, name="dmtd-secure", route_prefix="/secure")
+    yield SecureStack(f"localhost:{port}", stack.http_url + "/secure", cert.read_bytes())
+    serve.delete("dmtd-secure")
+
+
+@pytest.fixture
+def heartbeat(stack):
+    """A stream kept in flight for the whole test (tests.serve.heartbeat)."""
+    from tests.serve.heartbeat import Heartbeat
+
+    with Heartbeat(stack.grpc_target) as hb:
+        yield hb
+    from tests.serve.test_stack import wait_idle
+
+    wait_idle(stack, 30)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not FUZZ_REPORT:
+        return
+    terminalreporter.section("hostile-input fuzzing")
+    for api, r in FUZZ_REPORT.items():
+        terminalreporter.write_line(f"{api}: {r['cases']} cases (seed {r['seed']}) {r['outcomes']}; in-flight stream: "
+                                    f"median block interval {r['stream_interval_median_ms']} ms, longest wait for "
+                                    f"its next block after a case {r['max_wait_for_next_block_ms']} ms")
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "fuzz.json").write_text(json.dumps(FUZZ_REPORT, indent=2))

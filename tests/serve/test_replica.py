@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
 
 import pytest
 
 from dmtd.engine.config import DMTDConfig
-from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.sequence import TEMPERATURE_FLOOR, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
+from dmtd.serve.errors import ReplicaInternalError
 from dmtd.serve.replica import DMTDReplica, Overloaded, RequestFailed
+from dmtd.serve.requests import ReplicaRequest
 from tests.conftest import tiny_engine, tiny_model
 
 DMTD = DMTDConfig(0, 4, 2, tau_max=4)
@@ -106,3 +110,82 @@ def test_controller_raises_tau_under_pressure_and_returns_at_headroom():
         c.observe_block(1, 4, 60.0)  # blocks cut to 1 of 4: raising τ would not help
     d = c.observe_load(queue_depth=3, batch_size=8)
     assert d.tau == 2 and "full" in d.reason
+
+
+def _timed(rep: DMTDReplica, r: dict, times: list[float]):
+    async def run() -> list[dict]:
+        out = []
+        async for b in rep.generate(r):
+            times.append(time.perf_counter())
+            out.append(b)
+        return out
+    return run()
+
+
+def test_a_poison_request_fails_alone_and_the_stream_in_flight_keeps_its_pace():
+    """Past all validation (straight into the loop): torch's own error ends that request only."""
+    rep = make_replica(max_num_seqs=4)
+    times: list[float] = []
+
+    async def scenario():
+        stream = asyncio.create_task(_timed(rep, req("steady", 120, temperature=0.0), times))
+        while len(times) < 10:
+            await asyncio.sleep(0.001)
+        normal = statistics.median(b - a for a, b in zip(times, times[1:]))
+        t_poison = time.perf_counter()
+        poison = ReplicaRequest(request_id="poison", prompt_token_ids=[1, 2, 3], temperature=0.7,
+                                seed="x")  # type: ignore[arg-type]
+        with pytest.raises(ReplicaInternalError) as e:
+            async for _ in rep.loop.submit(poison):
+                pass
+        n_before = len(times)
+        while len(times) < n_before + 5:
+            await asyncio.sleep(0.001)
+        blocks = await stream
+        return normal, t_poison, e.value, blocks
+
+    normal, t_poison, err, blocks = asyncio.run(scenario())
+    assert "error id" in str(err) and err.error_id
+    after = [t for t in times if t >= t_poison]
+    gaps = [b - a for a, b in zip([t_poison, *after], after)]
+    assert max(gaps[:6]) < max(0.5, 10 * normal), (normal, gaps[:6])
+    assert sum(b["k"] for b in blocks) == 120 and blocks[-1]["finish_reason"] == "length"
+    assert rep.loop.restarts == 0 and rep.loop.engine.scheduler.num_free_slots == 4
+
+
+def test_bad_types_past_the_gateway_are_named_by_the_replica():
+    rep = make_replica()
+    cases = [({"seed": "x"}, "seed"), ({"temperature": "0.5"}, "temperature"), ({"stop": [None]}, "stop[0]"),
+             ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"prompt_token_ids": ["a"]}, "prompt_token_ids[0]"),
+             ({"no_such": 1}, "request")]
+    for bad, field in cases:
+        with pytest.raises(RequestFailed) as e:
+            asyncio.run(collect(rep, {**req("b"), **bad}))
+        assert e.value.field == field, (bad, e.value.field, str(e.value))
+
+
+def test_the_supervisor_restarts_a_loop_that_ended_and_counts_it():
+    rep = make_replica()
+    original = rep.loop._apply_controller
+    calls = {"n": 0}
+
+    def broken_once() -> None:  # fault injection: the loop itself raises once, between steps
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        original()
+
+    rep.loop._apply_controller = broken_once  # type: ignore[method-assign]
+    blocks = asyncio.run(collect(rep, req("a", 30)))
+    assert sum(b["k"] for b in blocks) == 30 and blocks[-1]["finish_reason"] == "length"
+    assert rep.loop.restarts == 1 and rep.loop.stats()["loop_restarts"] == 1
+
+
+def test_temperatures_below_the_floor_are_greedy():
+    assert SamplingParams(temperature=1e-37).greedy and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=TEMPERATURE_FLOOR).greedy
+    engine = tiny_engine(tiny_model(seed=21), DMTD)
+    greedy = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, cycle_len=2))[0].token_ids
+    tiny = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, cycle_len=2, temperature=1e-37,
+                                                       seed=3))[0].token_ids
+    assert tiny == greedy

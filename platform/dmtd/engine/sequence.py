@@ -16,9 +16,12 @@ class RequestError(ValueError):
         self.field = field
 
 
+TEMPERATURE_FLOOR = 1e-2  # below it logits / T overflow float32 (1e-37 gave garbage): such temperatures are greedy
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request generation settings. ``temperature == 0`` is greedy."""
+    """Per-request generation settings. ``temperature`` below ``TEMPERATURE_FLOOR`` (0 included) is greedy."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -50,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < TEMPERATURE_FLOOR
 
 
 class SequenceStatus(Enum):

@@ -17,18 +17,32 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from ray import serve
 
+from dmtd.serve.auth import ApiKeys, server_credentials
+from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig
 from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
-from dmtd.serve.openai_api import completion_chunk, completion_response, error_body, to_replica_request
-from dmtd.serve.requests import InvalidRequest
+from dmtd.serve.openai_api import (
+    completion_chunk,
+    completion_response,
+    error_body,
+    install_openapi,
+    read_body,
+    usage_chunk,
+)
+from dmtd.serve.openai_models import openai_field, openai_text, parse_body
+from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.web import asset_path
 
-http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas")
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503}
+# no /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json stays
+http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas", docs_url=None,
+                   redoc_url=None)
+install_openapi(http_app)
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+               "INTERNAL": 500, "UNAVAILABLE": 503}
 
 
 @dataclass(slots=True)
@@ -71,15 +85,20 @@ class Gateway:
         self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
         grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64, registry_url: str | None = None,
         telemetry: dict[str, Any] | None = None, replica_deployments: dict[str, str] | None = None,
+        limits: dict[str, Any] | None = None, api_keys_file: str | None = None, tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> None:
+        bind_serve_internal_grpc()
         routes = {v["name"]: Route(v["name"], replicas[v["name"]], dict(v)) for v in variants}
         if telemetry is not None:
             configure_json_logging()
         self.telemetry = GatewayTelemetry(telemetry_settings(telemetry) if telemetry is not None
                                           else TelemetrySettings(metrics_port=None))
         self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight,
-                                self.telemetry)
-        self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port)
+                                self.telemetry, Limits(**(limits or {})))
+        self.keys = ApiKeys.load(api_keys_file)
+        self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
+                                                              server_credentials(tls_cert_file, tls_key_file))
         self.replica_deployments = replica_deployments or {}
         self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
         self.view: Any = None
@@ -132,27 +151,42 @@ class Gateway:
         """Finished spans held by the in-memory exporter (all, or one trace's)."""
         return self.telemetry.tracing.finished_spans(trace_id)
 
+    def _refused(self, request: Request) -> JSONResponse | None:
+        """401 unless the request carries an accepted API key (always None when no keys are configured)."""
+        if self.keys.accepts_header(request.headers.get("authorization")):
+            return None
+        self.telemetry.rejected("", "UNAUTHENTICATED")
+        basic = "/dashboard" in request.url.path  # a browser asks for the key as a password
+        return JSONResponse(error_body("missing or invalid API key (send Authorization: Bearer <key>)",
+                                       "authentication_error", code="invalid_api_key"), 401,
+                            headers={"WWW-Authenticate": 'Basic realm="dmtd"' if basic else "Bearer"})
+
     @http_app.get("/dashboard")
-    async def dashboard(self) -> Any:
+    async def dashboard(self, request: Request) -> Any:
+        if (refused := self._refused(request)) is not None:
+            return refused
         path = asset_path("dashboard.html")
         assert path is not None, "dmtd.web is installed without its static assets"
         return FileResponse(path, media_type="text/html")
 
     @http_app.get("/dashboard/assets/{name}")
-    async def dashboard_asset(self, name: str) -> Any:
+    async def dashboard_asset(self, name: str, request: Request) -> Any:
+        if (refused := self._refused(request)) is not None:
+            return refused
         path = asset_path(name)
         if path is None:
             return JSONResponse({"error": f"no asset {name!r}"}, 404)
         return FileResponse(path)
 
     @http_app.get("/dashboard/stats")
-    async def dashboard_stats(self) -> dict[str, Any]:
-        return self.telemetry.stats()
+    async def dashboard_stats(self, request: Request) -> Any:
+        return self._refused(request) or self.telemetry.stats()
 
     @http_app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd"}
-                                           for i in self.core.router.infos() if i.get("status", "active") == "active"]}
+    async def models(self, request: Request) -> Any:
+        data = [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd"}
+                for i in self.core.router.infos() if i.get("status", "active") == "active"]
+        return self._refused(request) or {"object": "list", "data": data}
 
     @http_app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
@@ -167,22 +201,30 @@ class Gateway:
         return await self._openai(request, chat=True)
 
     async def _openai(self, request: Request, chat: bool) -> Any:
+        if (refused := self._refused(request)) is not None:
+            return refused
         try:
-            body = json.loads(await request.body())
-            req = to_replica_request(body, chat, time.time())
-            model = str(body.get("model") or "")
-            route = self.core.admit(model if model not in ("", "default") else "")
-        except json.JSONDecodeError:
-            return JSONResponse(error_body("body is not valid JSON", "invalid_request_error"), 400)
+            raw = await read_body(request, self.core.limits.max_body_bytes)
+            req, body = parse_body(raw, chat, time.time(), self.core.limits)
+            route = self.core.admit(body.model if body.model not in ("", "default") else "")
         except InvalidRequest as e:
             self.telemetry.rejected("", "INVALID_ARGUMENT")
-            return JSONResponse(error_body(str(e), "invalid_request_error", e.field), 400)
+            status = 413 if isinstance(e, TooLarge) else 400
+            return JSONResponse(error_body(str(e), "invalid_request_error", e.field), status)
         except GatewayError as e:
-            return self._error(e)
+            return self._error(e, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        blocks = self.core.stream(route, req, traceparent=request.headers.get("traceparent"))
-        if body.get("stream"):
-            return StreamingResponse(self._sse(blocks, rid, route.name, chat), media_type="text/event-stream")
+        blocks = aiter(self.core.stream(route, req, traceparent=request.headers.get("traceparent")))
+        if body.stream:
+            try:  # the first block before the headers: a refusal is a real status code, not an event after 200
+                first = await anext(blocks)
+            except GatewayError as e:
+                return self._error(e, chat)
+            except StopAsyncIteration:
+                first = None
+            with_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(blocks, first, rid, route.name, chat, with_usage),
+                                     media_type="text/event-stream")
         text: list[str] = []
         finish: str | None = None
         usage: dict[str, int] = {}
@@ -191,26 +233,46 @@ class Gateway:
                 text.append(b["text"])
                 finish, usage = b.get("finish_reason"), b.get("usage") or usage
         except GatewayError as e:
-            return self._error(e)
+            return self._error(e, chat)
         return completion_response(rid, route.name, chat, "".join(text), finish, usage)
 
     @staticmethod
-    def _error(e: GatewayError) -> JSONResponse:
+    def _error(e: GatewayError, chat: bool = False) -> JSONResponse:
         status = HTTP_STATUS.get(e.code.name, 500)
         headers = {"Retry-After": str(max(1, (e.retry_after_ms or 1000) // 1000))} if status == 429 else None
-        return JSONResponse(error_body(str(e), e.code.name.lower()), status, headers=headers)
+        message, param = str(e), None
+        if e.field:  # the replica names its own field; the client knows the OpenAI API's
+            param = openai_field(e.field, chat)
+            message = f"{param}: {openai_text(message.removeprefix(e.field + ': '))}"
+        kind = "invalid_request_error" if status == 400 else e.code.name.lower()
+        return JSONResponse(error_body(message, kind, param), status, headers=headers)
 
     @staticmethod
-    async def _sse(blocks: AsyncIterator[dict[str, Any]], rid: str, model: str, chat: bool) -> AsyncIterator[str]:
-        first = True
-        try:
+    async def _sse(blocks: AsyncIterator[dict[str, Any]], head: dict[str, Any] | None, rid: str, model: str,
+                   chat: bool, include_usage: bool = False) -> AsyncIterator[str]:
+        async def chained() -> AsyncIterator[dict[str, Any]]:
+            if head is not None:
+                yield head
             async for b in blocks:
+                yield b
+
+        first = True
+        usage: dict[str, int] | None = None
+        try:
+            async for b in chained():
                 finish = b.get("finish_reason")
+                usage = b.get("usage") or usage
                 if b["text"] or finish or first:
                     yield completion_chunk(rid, model, chat, b["text"], finish, first)
                     first = False
-        except GatewayError as e:
+        except GatewayError as e:  # a failure after the first block (e.g. the replica went away)
             yield f"data: {json.dumps(error_body(str(e), e.code.name.lower()))}\n\n"
+        finally:
+            close = getattr(blocks, "aclose", None)
+            if close is not None:
+                await close()
+        if include_usage and usage is not None:
+            yield usage_chunk(rid, model, chat, usage)
         yield "data: [DONE]\n\n"
 
 
@@ -223,7 +285,9 @@ def build_app(args: dict[str, Any]) -> Any:
     """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
     ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``; telemetry:
     any ``TelemetrySettings`` field (``deployment``, ``metrics_port``, ``trace_exporter``, ``otlp_endpoint``,
-    ``usd_per_gpu_hour``, ``gpus_per_replica`` …) at top level or in a ``telemetry`` dict.
+    ``usd_per_gpu_hour``, ``gpus_per_replica`` …) at top level or in a ``telemetry`` dict. Edges: ``limits``
+    (``Limits`` fields), ``api_keys_file`` (plus env ``DMTD_API_KEYS`` in the gateway's process),
+    ``tls_cert_file`` / ``tls_key_file`` (gRPC TLS; HTTP TLS is Serve's ``http_options``).
 
     ``omp_wait_policy`` (``PASSIVE`` / ``ACTIVE``; default: env ``DMTD_OMP_WAIT_POLICY``, else unset = OpenMP's
     own) is set in each replica's process. PASSIVE saves a CPU replica that shares its cores with other busy
@@ -233,6 +297,7 @@ def build_app(args: dict[str, Any]) -> Any:
     if omp_wait_policy.upper() not in ("", "PASSIVE", "ACTIVE"):
         raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {omp_wait_policy!r}")
     handles, infos, deployments = {}, [], {}
+    limits = Limits(**(args.get("limits") or {}))  # refused here, at build time, when a limit is malformed
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
     telemetry.update(args.get("telemetry") or {})
     telemetry.setdefault("metrics_host", args.get("grpc_host", "127.0.0.1"))  # on Kubernetes: 0.0.0.0
@@ -255,7 +320,7 @@ def build_app(args: dict[str, Any]) -> Any:
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options=replica_actor)
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
-                                      v["name"], telemetry)
+                                      v["name"], telemetry, limits.model_dump())
         deployments[v["name"]] = name
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
@@ -266,4 +331,5 @@ def build_app(args: dict[str, Any]) -> Any:
                                     max_ongoing_requests=1000, ray_actor_options=actor)
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
                         int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"),
-                        telemetry, deployments)
+                        telemetry, deployments, limits.model_dump(), args.get("api_keys_file"),
+                        args.get("tls_cert_file"), args.get("tls_key_file"))

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dmtd.serve.auth import ApiKeys, AuthInterceptor
 from dmtd.serve.convert import rechunk, to_token_block, to_variant_info
-from dmtd.serve.replica import Overloaded, RequestFailed
-from dmtd.serve.requests import InvalidRequest, ReplicaRequest, from_proto
+from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
+from dmtd.serve.requests import InvalidRequest, Limits, ReplicaRequest, TooLarge, from_proto
 from dmtd.serve.routing import Route, Router, VariantNotFound
 from dmtd.telemetry.config import TelemetrySettings
 from dmtd.telemetry.gateway import GatewayTelemetry, RequestTelemetry
 from dmtd.v1 import generate_pb2 as pb
-from dmtd.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger("dmtd.gateway")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -35,9 +37,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 class GatewayError(Exception):
     """A request-level failure with the gRPC status it maps to."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                 field: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.retry_after_ms = code, retry_after_ms
+        self.code, self.retry_after_ms, self.field = code, retry_after_ms, field
 
 
 def _unavailable_types() -> tuple[type[BaseException], ...]:
@@ -50,18 +53,24 @@ def _unavailable_types() -> tuple[type[BaseException], ...]:
 class GatewayCore:
     """Routing, admission (bounded in-flight), streaming and error mapping shared by gRPC and HTTP."""
 
-    def __init__(self, router: Router, max_inflight: int, telemetry: GatewayTelemetry | None = None) -> None:
+    def __init__(self, router: Router, max_inflight: int, telemetry: GatewayTelemetry | None = None,
+                 limits: Limits | None = None) -> None:
         self.router, self.max_inflight = router, max_inflight
+        self.limits = limits or Limits()
         self.telemetry = telemetry or GatewayTelemetry(TelemetrySettings(metrics_port=None))
         self.inflight = 0
         self.accepted = 0
         self.completed = 0
 
+    def label(self, variant: str) -> str:
+        """A metric label for a client-supplied variant name: served variants by name, others ``unknown``."""
+        return variant if not variant or variant in self.router.routes else "unknown"
+
     def admit(self, variant: str) -> Route:
         try:
             route = self.router.resolve(variant)
         except VariantNotFound as e:
-            self.telemetry.rejected(variant, grpc.StatusCode.NOT_FOUND.name)
+            self.telemetry.rejected(self.label(variant), grpc.StatusCode.NOT_FOUND.name)
             raise GatewayError(grpc.StatusCode.NOT_FOUND, str(e)) from e
         if self.inflight >= self.max_inflight:
             self.telemetry.rejected(route.name, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
@@ -118,27 +127,49 @@ class GatewayCore:
         if isinstance(e, Overloaded):
             return GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms)
         if isinstance(e, RequestFailed):
-            return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field)
+        if isinstance(e, ReplicaInternalError):
+            return GatewayError(grpc.StatusCode.INTERNAL, f"internal error: {e}")
         if isinstance(raw, _unavailable_types()) or isinstance(e, _unavailable_types()):
             msg = f"replica of {route.name!r} went away ({type(e).__name__})"
             return GatewayError(grpc.StatusCode.UNAVAILABLE, msg)
-        log.exception("request failed", exc_info=raw)
-        return GatewayError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        error_id = uuid.uuid4().hex[:16]
+        log.error("request failed [error id %s]", error_id, exc_info=raw)
+        return GatewayError(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}) (error id {error_id})")
 
 
-class GenerateServicer(pb_grpc.GenerateServiceServicer):
+def decode(cls: type[Message], raw: bytes, max_bytes: int) -> Any:
+    """Parse a serialized request; a corrupt or oversized one is :class:`InvalidRequest`, not UNKNOWN."""
+    if len(raw) > max_bytes:
+        raise TooLarge("request", f"at most {max_bytes} bytes serialized, got {len(raw)}")
+    try:
+        return cls.FromString(raw)
+    except DecodeError as e:
+        raise InvalidRequest("request", f"not a valid {cls.DESCRIPTOR.full_name} ({e}; strings must be "
+                                        "UTF-8)") from e
+
+
+class GenerateServicer:
+    """``dmtd.v1.GenerateService``; requests arrive as bytes so that decoding errors are ours to report."""
+
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
-    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 — gRPC method name
+    def _decode(self, cls: type[Message], raw: bytes) -> Any:
+        return decode(cls, raw, self.core.limits.max_body_bytes)
+
+    async def Generate(self, raw: bytes,  # noqa: N802 — gRPC method name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenBlock]:
         arrival = time.time()
         t0 = time.perf_counter()
+        variant = ""
         try:
-            req = from_proto(request, arrival)
+            request = self._decode(pb.GenerateRequest, raw)
+            variant = request.variant
+            req = from_proto(request, arrival, self.core.limits)
             route = self.core.admit(request.variant)
         except InvalidRequest as e:
-            self.core.telemetry.rejected(request.variant, grpc.StatusCode.INVALID_ARGUMENT.name)
+            self.core.telemetry.rejected(self.core.label(variant), grpc.StatusCode.INVALID_ARGUMENT.name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         except GatewayError as e:
@@ -161,13 +192,21 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
         await context.abort(e.code, str(e))
 
-    async def ListVariants(self, request: pb.ListVariantsRequest,  # noqa: N802
+    async def ListVariants(self, raw: bytes,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.ListVariantsResponse:
+        try:
+            self._decode(pb.ListVariantsRequest, raw)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ListVariantsResponse(variants=[to_variant_info(i) for i in self.core.router.infos()],
                                        registry_revision=self.core.router.revision)
 
-    async def GetVariant(self, request: pb.GetVariantRequest,  # noqa: N802
+    async def GetVariant(self, raw: bytes,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.VariantInfo:
+        try:
+            request = self._decode(pb.GetVariantRequest, raw)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         for info in self.core.router.infos():
             if info["name"] == request.name:
                 return to_variant_info(info)
@@ -175,16 +214,35 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         raise AssertionError("unreachable")
 
 
-async def start_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Serve GenerateService + grpc.health.v1 + reflection on host:port (0 = any free port)."""
-    server = grpc.aio.server()
-    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(core), server)
+def _service_handler(servicer: GenerateServicer) -> grpc.GenericRpcHandler:
+    methods = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, response_serializer=pb.TokenBlock.SerializeToString),
+        "ListVariants": grpc.unary_unary_rpc_method_handler(
+            servicer.ListVariants, response_serializer=pb.ListVariantsResponse.SerializeToString),
+        "GetVariant": grpc.unary_unary_rpc_method_handler(
+            servicer.GetVariant, response_serializer=pb.VariantInfo.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+
+async def start_grpc_server(core: GatewayCore, host: str, port: int, keys: ApiKeys | None = None,
+                            credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve GenerateService + grpc.health.v1 + reflection on host:port (0 = any free port); with ``keys``,
+    every call but the health checks needs one; with ``credentials``, TLS."""
+    # gRPC's own limit sits above ours, so that most oversized requests get our INVALID_ARGUMENT
+    max_bytes = max(4 << 20, 4 * core.limits.max_body_bytes)
+    interceptors = [AuthInterceptor(keys)] if keys is not None and keys.enabled else []
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", max_bytes)])
+    server.add_generic_rpc_handlers((_service_handler(GenerateServicer(core)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    log.info("gRPC gateway listening on %s:%d", host, bound)
+    log.info("gRPC gateway listening on %s:%d (%s, %s)", host, bound, "TLS" if credentials else "plaintext",
+             "API keys" if interceptors else "no authentication")
     return server, bound

@@ -5,10 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, MutableMapping
 from typing import Any
+
+from dmtd.serve.binding import HOST_ENV
+
+READY_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
+
+
+class StartupError(RuntimeError):
+    """The stack did not come up; the message names what did not."""
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +38,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="where spans go (default: in memory, or OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     p.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP traces endpoint, e.g. http://HOST:4318/v1/traces")
     p.add_argument("--replica-type", default="cpu", help="price key of the replicas (docs/cost.md)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="file of API keys, one a line (also: env DMTD_API_KEYS); then every call needs one")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: gRPC and HTTP serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--ready-timeout-s", type=float, default=60.0,
+                   help="how long Serve's proxy may take to become ready (a loaded machine needs more than 5 s)")
+    p.add_argument("--start-attempts", type=int, default=2, help="tries at starting Serve before giving up")
     p.add_argument("--demo", action="store_true",
                    help="start, stream one chat answer over gRPC, print tokens/s and block lengths, stop")
 
@@ -65,8 +82,51 @@ def ensure_registered(url: str, name: str, variant: str, model: str | None, deco
         reg.register(spec, status="active", traffic_weight=1.0, make_default=True)
 
 
+def start_with_retry(start: Callable[[], None], attempts: int, cleanup: Callable[[], None],
+                     what_failed: Callable[[], str], log: Callable[[str], None] = print) -> None:
+    """``start()`` up to ``attempts`` times; then :class:`StartupError` naming what did not come up."""
+    for attempt in range(1, max(1, attempts) + 1):
+        try:
+            start()
+            return
+        except Exception as e:
+            what = what_failed()
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+            if attempt >= attempts:
+                raise StartupError(f"{what} did not come up after {attempt} attempt(s): {type(e).__name__}: "
+                                   f"{reason}") from e
+            log(f"dmtd serve: {what} did not come up ({type(e).__name__}); retrying ({attempt}/{attempts})")
+            cleanup()
+
+
+def serve_not_up() -> str:
+    """Which Serve parts are not healthy now (the proxy, a deployment), for the one-line start-up error."""
+    try:
+        from ray import serve
+
+        st = serve.status()
+        bad = [f"Serve proxy on node {n} ({getattr(p, 'value', p)})" for n, p in st.proxies.items()
+               if str(getattr(p, "value", p)) != "HEALTHY"]
+        bad += [f"deployment {d} ({getattr(ds.status, 'value', ds.status)})" for a in st.applications.values()
+                for d, ds in a.deployments.items() if str(getattr(ds.status, "value", ds.status)) != "HEALTHY"]
+    except Exception:
+        return "the Serve controller or proxy"
+    return ", ".join(bad) or "the Serve application"
+
+
+def prepare_environment(ready_timeout_s: float, env: MutableMapping[str, str] | None = None) -> None:
+    """Before ``ray.init`` (Ray's processes inherit it): Serve's proxy readiness and health waits sized for a
+    loaded node (its default 5 s killed the proxy while a compiler kept both cores busy), Serve's per-replica
+    gRPC server on loopback (``dmtd.serve.binding``). Values already set win."""
+    target: MutableMapping[str, str] = os.environ if env is None else env
+    target.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for var in READY_ENV:
+        target.setdefault(var, str(ready_timeout_s))
+    target.setdefault(HOST_ENV, "127.0.0.1")
+
+
 def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    prepare_environment(float(getattr(args, "ready_timeout_s", 60.0)))
     from dmtd.registry import embedded_redis, registry_url
 
     url = registry_url(getattr(args, "registry", None)) or embedded_redis()
@@ -76,8 +136,11 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from dmtd.serve.app import build_app
 
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    serve.start(http_options={"host": args.host, "port": args.http_port})
+             configure_logging=False, _node_ip_address="127.0.0.1")  # Ray's own servers on loopback
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    http_options: dict[str, Any] = {"host": args.host, "port": args.http_port}
+    if cert or key:
+        http_options.update(ssl_certfile=cert, ssl_keyfile=key)
     name = variant if variant != "none" else ("base" if args.decoding_layers is None else
                                               f"base-d{args.decoding_layers}")
     ensure_registered(url, name, variant, args.model, args.decoding_layers)
@@ -88,10 +151,24 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "itl_slo_ms": args.itl_slo_ms, "registry_url": url, "metrics_port": getattr(args, "metrics_port", 9464),
         "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
-        "replica_type": getattr(args, "replica_type", None),
+        "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
+        "tls_cert_file": cert, "tls_key_file": key,
     })
-    serve.run(app, name="dmtd", route_prefix="/")
-    return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"http://{args.host}:{args.http_port}",
+
+    def start() -> None:
+        serve.start(http_options=http_options)
+        serve.run(app, name="dmtd", route_prefix="/")
+
+    def cleanup() -> None:
+        try:
+            serve.shutdown()
+        except Exception as e:  # the retry starts Serve afresh either way
+            print(f"dmtd serve: shutting the failed attempt down: {type(e).__name__}", file=sys.stderr)
+
+    start_with_retry(start, int(getattr(args, "start_attempts", 2)), cleanup, serve_not_up,
+                     lambda line: print(line, file=sys.stderr, flush=True))
+    scheme = "https" if cert else "http"
+    return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"{scheme}://{args.host}:{args.http_port}",
             "registry": url, "metrics": metrics_urls(args.replicas)}
 
 
@@ -144,7 +221,12 @@ def demo(target: str) -> None:
 
 
 def serve_main(args: argparse.Namespace, variant: str) -> int:
-    info = start_stack(args, variant)
+    try:
+        info = start_stack(args, variant)
+    except StartupError as e:
+        print(f"dmtd serve: {e}", file=sys.stderr)
+        stop_stack()
+        return 1
     try:
         if args.demo:
             demo(info["grpc"])

@@ -1,8 +1,9 @@
 """A DMTD replica: one engine, an asyncio loop driving continuous batching, one block per cycle per request.
 
 ``DMTDReplica`` is a plain class (the app builder wraps it with ``serve.deployment``), so tests construct it
-directly with a small engine. The engine is not thread-safe: only the loop task touches it, between steps;
-each step runs in a one-thread executor so the event loop keeps serving while the model computes.
+directly with a small engine. The engine is not thread-safe: only the loop task (``engine_loop.EngineLoop``)
+touches it, between steps; each step runs in a one-thread executor so the event loop keeps serving while the
+model computes.
 """
 
 from __future__ import annotations
@@ -11,279 +12,21 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from dmtd.engine.llm import LLMEngine, StepOutput
-from dmtd.engine.sequence import RequestError, SamplingParams
+from dmtd.engine.llm import LLMEngine
+from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.requests import ReplicaRequest
+from dmtd.serve.engine_loop import EngineLoop
+from dmtd.serve.errors import Overloaded, RequestFailed
+from dmtd.serve.requests import InvalidRequest, Limits, ReplicaRequest, check_types, validate
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.logs import configure_json_logging
-from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
+from dmtd.telemetry.replica import ReplicaTelemetry
 
+__all__ = ["DMTDReplica", "EngineFactory", "EngineLoop", "Overloaded", "RequestFailed"]
 log = logging.getLogger("dmtd.replica")
-
-
-class Overloaded(RuntimeError):
-    """The replica's queue is full; retry after ``retry_after_ms``."""
-
-    def __init__(self, retry_after_ms: int) -> None:
-        super().__init__(f"replica queue is full; retry after {retry_after_ms} ms")
-        self.retry_after_ms = retry_after_ms
-
-    def __reduce__(self) -> tuple[type, tuple[int]]:  # crosses Ray: rebuild from our own arguments
-        return (Overloaded, (self.retry_after_ms,))
-
-
-class RequestFailed(RuntimeError):
-    """A request was rejected by the engine (bad input the gateway could not see, e.g. prompt length)."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field_name
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (RequestFailed, (self.field, str(self)))
-
-
-@dataclass
-class _Live:
-    req: ReplicaRequest
-    queue: asyncio.Queue[dict[str, Any] | BaseException]
-    tau_lo: int
-    tau_hi: int
-    fixed_confidence: bool
-    text: list[str] = field(default_factory=list)
-    block_index: int = 0
-    num_tokens: int = 0
-    num_heads: int = 0
-    prompt_tokens: int = 0
-    t_admit: float = 0.0
-    t_admit_wall: float = 0.0
-    t_last: float = 0.0
-    cycles_cut: int = 0
-
-
-class EngineLoop:
-    """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
-
-    def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
-                 telemetry: ReplicaTelemetry | None = None) -> None:
-        self.engine, self.controller = engine, controller
-        self.max_queued, self.replica_name = max_queued, replica_name
-        self.telemetry = telemetry
-        self.live: dict[str, _Live] = {}
-        self._adds: list[str] = []
-        self._aborts: set[str] = set()
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
-        self._task: asyncio.Task[None] | None = None
-        self.num_steps = 0
-
-    # -- bookkeeping visible to tests and metrics ----------------------------------------------
-    @property
-    def num_active(self) -> int:
-        return len(self.live)
-
-    def stats(self) -> dict[str, Any]:
-        d = self.controller.decision
-        return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
-                "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
-                "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name}
-
-    def state(self) -> ReplicaState:
-        """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
-        c, d, e = self.controller.cfg, self.controller.decision, self.engine
-        capacity = e.cfg.max_num_seqs * e.cfg.max_model_len
-        used = sum(s.num_tokens for s in list(e.scheduler.running))
-        return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
-                            kv_occupancy=used / capacity if capacity else 0.0, tau=d.tau, tau_min=c.tau_min,
-                            tau_max=c.tau_max, min_confidence=d.min_confidence)
-
-    # -- requests ------------------------------------------------------------------------------
-    def _bounds(self, req: ReplicaRequest) -> tuple[int, int]:
-        c = self.controller.cfg
-        lo, hi = c.tau_min, c.tau_max
-        if req.profile == "quality":
-            hi = max(lo, min(hi, c.rest_tau - 1))
-        elif req.profile == "speed":
-            lo = min(hi, max(lo, c.rest_tau + 1))
-        if req.tau_min:
-            lo = min(max(lo, req.tau_min), hi)
-        if req.tau_max:
-            hi = max(min(hi, req.tau_max), lo)
-        return lo, hi
-
-    async def submit(self, req: ReplicaRequest) -> AsyncGenerator[dict[str, Any], None]:
-        """Queue a request and yield its blocks; cancelling the iteration frees its slot."""
-        if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
-            raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
-        if req.request_id in self.live:
-            raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
-        lo, hi = self._bounds(req)
-        live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
-        self.live[req.request_id] = live
-        tel = self.telemetry
-        if tel is not None:
-            tel.on_arrival(req.request_id, req.traceparent, {"dmtd.tau_bounds": f"{lo}..{hi}",
-                                                             "dmtd.max_new_tokens": req.max_new_tokens})
-        self._adds.append(req.request_id)
-        self._ensure_task()
-        self._wake.set()
-        try:
-            while True:
-                item = await live.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.get("finish_reason"):
-                    return
-        finally:
-            if self.live.pop(req.request_id, None) is not None:
-                # cancelled or failed mid-stream: the engine frees the slot before its next step
-                self._aborts.add(req.request_id)
-                self._wake.set()
-            if tel is not None:
-                tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
-
-    def _ensure_task(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def _admit(self, rid: str) -> None:
-        live = self.live.get(rid)
-        if live is None:
-            return
-        r = live.req
-        d = self.controller.decision
-        tau = max(live.tau_lo, min(live.tau_hi, d.tau))
-        conf = r.min_confidence if r.min_confidence is not None else d.min_confidence
-        try:
-            params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
-                                    max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
-                                    stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf)
-            prompt: Any = r.messages or r.prompt_token_ids or r.prompt
-            self.engine.add_request(prompt, params, req_id=rid)
-        except RequestError as e:
-            self.live.pop(rid, None)
-            live.queue.put_nowait(RequestFailed(e.field, str(e)))
-            if self.telemetry is not None:
-                self.telemetry.on_finish(rid, "error", error=str(e))
-            return
-        live.prompt_tokens = self.engine.seqs[rid].prompt_len
-        live.t_admit_wall = time.time()
-        live.t_admit = live.t_last = time.perf_counter()
-        if self.telemetry is not None:
-            self.telemetry.on_admit(rid, live.prompt_tokens, tau, conf,
-                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0)
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            for rid in self._aborts:
-                self.engine.abort(rid)
-                self.engine.release(rid)
-            self._aborts.clear()
-            adds, self._adds = self._adds, []
-            for rid in adds:
-                self._admit(rid)
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t_step = time.perf_counter()
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as e:  # an engine bug must not hang every stream
-                log.exception("engine step failed")
-                for rid, live in list(self.live.items()):
-                    live.queue.put_nowait(RuntimeError(f"engine step failed: {e}"))
-                    self._aborts.add(rid)
-                continue
-            self.num_steps += 1
-            now = time.perf_counter()
-            if self.telemetry is not None:
-                self._observe_step(outputs, now - t_step)
-            for o in outputs:
-                self._dispatch(o, now)
-            self._apply_controller()
-
-    def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
-        assert self.telemetry is not None
-        prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
-        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.cycle_len) for o in outputs])
-        heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
-        self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
-
-    def _dispatch(self, o: StepOutput, now: float) -> None:
-        live = self.live.get(o.req_id)
-        if live is None:
-            return
-        live.text.append(o.text_delta)
-        if o.token_id >= 0:
-            live.num_tokens += 1
-            live.num_heads += o.is_head
-        if not o.block and not o.finished:
-            return
-        tokens = list(o.block or [])
-        confs = list(o.block_confidences or []) or [0.0]
-        interval_ms = (now - live.t_last) * 1e3
-        if live.block_index > 0 and tokens:
-            self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
-        block: dict[str, Any] = {
-            "request_id": o.req_id, "token_ids": tokens, "text": "".join(live.text), "block_index": live.block_index,
-            "k": len(tokens), "tau": o.cycle_len, "min_confidence": self.engine.seqs[o.req_id].params.min_confidence
-            if o.req_id in self.engine.seqs else 0.0,
-            "confidence": (min(confs), sum(confs) / len(confs), max(confs)),
-            "block_ms": interval_ms, "replica": self.replica_name,
-            "queue_ms": max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
-        }
-        live.text, live.t_last = [], now
-        live.block_index += 1
-        seq = self.engine.seqs.get(o.req_id)
-        if self.telemetry is not None:
-            cut = seq is not None and seq.num_cycles_cut > live.cycles_cut
-            live.cycles_cut = seq.num_cycles_cut if seq is not None else live.cycles_cut
-            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block["block_index"], cut, min(confs),
-                                    interval_ms)
-        if o.finished:
-            block["finish_reason"] = o.finish_reason or "stop"
-            block["error"] = o.error
-            block["usage"] = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.num_tokens,
-                              "blocks": live.block_index, "heads": live.num_heads,
-                              "cycles_cut": seq.num_cycles_cut if seq else 0}
-            self.engine.release(o.req_id)
-            self.live.pop(o.req_id, None)
-            if self.telemetry is not None:
-                self.telemetry.on_finish(o.req_id, block["finish_reason"], block["usage"], o.error)
-        live.queue.put_nowait(block)
-
-    def _apply_controller(self) -> None:
-        self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)
-        self.apply_decision()
-
-    def apply_decision(self) -> None:
-        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate."""
-        d = self.controller.decision
-        for rid, live in self.live.items():
-            seq = self.engine.seqs.get(rid)
-            if seq is None:
-                continue
-            tau = max(live.tau_lo, min(live.tau_hi, d.tau))
-            if seq.cycle_len != tau:
-                self.engine.set_cycle_len(rid, tau)
-            if not live.fixed_confidence:
-                seq.params.min_confidence = d.min_confidence
-
-    def reconfigure(self, cfg: ControllerConfig) -> None:
-        self.controller.reconfigure(cfg)
-        for live in self.live.values():
-            live.tau_lo, live.tau_hi = self._bounds(live.req)
 
 
 EngineFactory = Callable[[], tuple[LLMEngine, ControllerConfig]]
@@ -298,7 +41,9 @@ class DMTDReplica:
 
     def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
                  registry_url: str | None = None, variant: str | None = None,
-                 telemetry: dict[str, Any] | None = None) -> None:
+                 telemetry: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> None:
+        bind_serve_internal_grpc()
+        self.limits = Limits(**(limits or {}))  # the gateway's: a request it let through passes here too
         engine, cfg = engine_factory()
         self.name = name or f"replica-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name)
@@ -340,7 +85,13 @@ class DMTDReplica:
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
-        async with contextlib.aclosing(self.loop.submit(ReplicaRequest(**request))) as blocks:
+        try:
+            req = validate(check_types(ReplicaRequest(**request)), self.limits)
+        except TypeError as e:
+            raise RequestFailed("request", f"request: not a replica request ({e})") from e
+        except InvalidRequest as e:
+            raise RequestFailed(e.field, str(e)) from e
+        async with contextlib.aclosing(self.loop.submit(req)) as blocks:
             async for block in blocks:
                 yield block
 

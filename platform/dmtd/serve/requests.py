@@ -11,8 +11,24 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 PROFILES = {0: "adaptive", 1: "quality", 2: "balanced", 3: "speed"}
 MAX_NEW_TOKENS_LIMIT = 4096
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_SEED = 2**63 - 1
+
+
+class Limits(BaseModel):
+    """Size limits checked at the edges before a request reaches a replica (``build_app(limits=...)``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="HTTP body / serialized gRPC request, bytes")
+    max_prompt_chars: int = Field(default=65536, ge=1, description="prompt, or all chat contents together, characters "
+                                                            "(checked before tokenising); also caps prompt token ids")
+    max_messages: int = Field(default=256, ge=1, description="chat messages per request")
 
 
 class InvalidRequest(ValueError):
@@ -23,7 +39,11 @@ class InvalidRequest(ValueError):
         self.field, self.rule = field_name, rule
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (InvalidRequest, (self.field, self.rule))
+        return (type(self), (self.field, self.rule))
+
+
+class TooLarge(InvalidRequest):
+    """The request as a whole exceeds a size limit (HTTP 413; gRPC INVALID_ARGUMENT)."""
 
 
 @dataclass(slots=True)
@@ -53,22 +73,80 @@ class ReplicaRequest:
         return asdict(self)
 
 
+_NUM = (int, float)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "request_id": (str,), "prompt": (str, type(None)), "messages": (list, type(None)),
+    "prompt_token_ids": (list, type(None)), "max_new_tokens": (int,), "temperature": _NUM, "top_k": (int,),
+    "top_p": _NUM, "seed": (int, type(None)), "stop": (list,), "stop_token_ids": (list,), "ignore_eos": (bool,),
+    "tau_min": (int,), "tau_max": (int,), "min_confidence": (*_NUM, type(None)), "profile": (str,),
+    "arrival_s": _NUM, "traceparent": (str,),
+}
+
+
+def check_types(req: ReplicaRequest) -> ReplicaRequest:
+    """Every field of the type it is declared with (a replica called past the gateway checks this itself)."""
+    for name, kinds in _FIELD_TYPES.items():
+        value = getattr(req, name)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise InvalidRequest(name, f"must be of type {' or '.join(k.__name__ for k in kinds)}, "
+                                       f"got {type(value).__name__}")
+    items: list[tuple[str, list[Any], type]] = [
+        ("stop", req.stop, str), ("stop_token_ids", req.stop_token_ids, int),
+        ("prompt_token_ids", req.prompt_token_ids or [], int), ("chat.messages", req.messages or [], dict)]
+    for name, values, kind in items:
+        for i, v in enumerate(values):
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise InvalidRequest(f"{name}[{i}]", f"must be of type {kind.__name__}, got {type(v).__name__}")
+    for i, m in enumerate(req.messages or []):
+        if set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
+            raise InvalidRequest(f"chat.messages[{i}]", "must be {role: str, content: str}")
+    return req
+
+
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
     if not math.isfinite(value) or not lo <= value <= hi:
         raise InvalidRequest(name, f"must be in [{lo}, {hi}], got {value}")
 
 
-def validate(req: ReplicaRequest) -> ReplicaRequest:
-    """Check every field; raise :class:`InvalidRequest` naming the first bad one."""
+def _check_text(name: str, value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(name, f"must be valid Unicode (lone surrogate at index {e.start})") from e
+
+
+def _check_input(req: ReplicaRequest, limits: Limits) -> None:
+    chars = limits.max_prompt_chars
     if req.prompt is None and not req.messages and not req.prompt_token_ids:
         raise InvalidRequest("input", "one of prompt or chat.messages is required")
-    if req.prompt is not None and not req.prompt.strip():
-        raise InvalidRequest("prompt", "must not be empty")
-    for i, m in enumerate(req.messages or []):
+    if req.prompt is not None:
+        if len(req.prompt) > chars:
+            raise InvalidRequest("prompt", f"at most {chars} characters, got {len(req.prompt)}")
+        _check_text("prompt", req.prompt)
+        if not req.prompt.strip():
+            raise InvalidRequest("prompt", "must not be empty")
+    msgs = req.messages or []
+    if len(msgs) > limits.max_messages:
+        raise InvalidRequest("chat.messages", f"at most {limits.max_messages} messages, got {len(msgs)}")
+    total = 0
+    for i, m in enumerate(msgs):
         if m.get("role") not in ("system", "user", "assistant"):
             raise InvalidRequest(f"chat.messages[{i}].role", "must be system, user or assistant")
-        if not m.get("content"):
-            raise InvalidRequest(f"chat.messages[{i}].content", "must not be empty")
+        content = m.get("content")
+        if not content or not isinstance(content, str):
+            raise InvalidRequest(f"chat.messages[{i}].content", "must be a non-empty string")
+        total += len(content)
+        if total > chars:
+            raise InvalidRequest(f"chat.messages[{i}].content", f"all contents together at most {chars} characters")
+        _check_text(f"chat.messages[{i}].content", content)
+    ids = req.prompt_token_ids or []
+    if len(ids) > chars:
+        raise InvalidRequest("prompt_token_ids", f"at most {chars} token ids, got {len(ids)}")
+
+
+def validate(req: ReplicaRequest, limits: Limits | None = None) -> ReplicaRequest:
+    """Check every field; raise :class:`InvalidRequest` naming the first bad one."""
+    _check_input(req, limits or Limits())
     if not 1 <= req.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
         raise InvalidRequest("max_new_tokens", f"must be in 1..{MAX_NEW_TOKENS_LIMIT}, got {req.max_new_tokens}")
     _check_range("sampling.temperature", req.temperature, 0.0, 10.0)
@@ -83,8 +161,16 @@ def validate(req: ReplicaRequest) -> ReplicaRequest:
         raise InvalidRequest("cycle.tau_min", f"must be <= cycle.tau_max ({req.tau_max}), got {req.tau_min}")
     if req.min_confidence is not None:
         _check_range("cycle.min_confidence", req.min_confidence, 0.0, 1.0)
-    if any(not s for s in req.stop):
-        raise InvalidRequest("stop", "stop strings must be non-empty")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise InvalidRequest("sampling.seed", f"must be in 0..{MAX_SEED}, got {req.seed}")
+    if len(req.stop) > MAX_STOP:
+        raise InvalidRequest("stop", f"at most {MAX_STOP} stop strings, got {len(req.stop)}")
+    for i, stop in enumerate(req.stop):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters, got {len(stop)}")
+        _check_text(f"stop[{i}]", stop)
+    if len(req.stop_token_ids) > MAX_STOP:
+        raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP} ids, got {len(req.stop_token_ids)}")
     if any(t < 0 for t in req.stop_token_ids):
         raise InvalidRequest("stop_token_ids", "must be >= 0")
     if len(req.request_id) > 128:
@@ -93,7 +179,7 @@ def validate(req: ReplicaRequest) -> ReplicaRequest:
     return req
 
 
-def from_proto(msg: Any, arrival_s: float) -> ReplicaRequest:
+def from_proto(msg: Any, arrival_s: float, limits: Limits | None = None) -> ReplicaRequest:
     """A validated :class:`ReplicaRequest` from a ``dmtd.v1.GenerateRequest``."""
     which = msg.WhichOneof("input")
     s, c = msg.sampling, msg.cycle
@@ -113,4 +199,4 @@ def from_proto(msg: Any, arrival_s: float) -> ReplicaRequest:
         raise InvalidRequest("min_block_tokens", "must be >= 0")
     if msg.flush_interval_ms < 0:
         raise InvalidRequest("flush_interval_ms", "must be >= 0")
-    return validate(req)
+    return validate(req, limits)

@@ -125,6 +125,9 @@ class ReplicaTelemetry:
         for tau, usd in usd_by_tau.items():
             self.ins.add(m.BUSY_COST_USD_TOTAL, usd, tau=str(tau))
 
+    def on_loop_restart(self) -> None:
+        self.ins.add(m.ENGINE_LOOP_RESTARTS_TOTAL, 1)
+
     def on_tokens(self, num_heads: int, num_tails: int) -> None:
         self.ins.add(m.HEAD_STEPS_TOTAL, num_heads)
         self.ins.add(m.TAIL_STEPS_TOTAL, num_tails)

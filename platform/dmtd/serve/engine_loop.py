@@ -1,0 +1,308 @@
+"""The replica's engine loop: admissions, steps, block dispatch, the controller's τ and gate.
+
+Only the loop task touches the engine, between steps; each step (and each prompt's tokenisation) runs in a
+one-thread executor so the event loop keeps serving while the model computes. One request's failure ends
+that request only; a supervisor restarts the loop if it ever ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from dmtd.engine.llm import LLMEngine, StepOutput
+from dmtd.engine.sequence import RequestError, SamplingParams
+from dmtd.serve.controller import ControllerConfig, TauController
+from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
+from dmtd.serve.requests import ReplicaRequest
+from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
+
+log = logging.getLogger("dmtd.replica")
+
+
+@dataclass
+class _Live:
+    req: ReplicaRequest
+    queue: asyncio.Queue[dict[str, Any] | BaseException]
+    tau_lo: int
+    tau_hi: int
+    fixed_confidence: bool
+    text: list[str] = field(default_factory=list)
+    block_index: int = 0
+    num_tokens: int = 0
+    num_heads: int = 0
+    prompt_tokens: int = 0
+    t_admit: float = 0.0
+    t_admit_wall: float = 0.0
+    t_last: float = 0.0
+    cycles_cut: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class EngineLoop:
+    """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
+
+    def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
+                 telemetry: ReplicaTelemetry | None = None) -> None:
+        self.engine, self.controller = engine, controller
+        self.max_queued, self.replica_name = max_queued, replica_name
+        self.telemetry = telemetry
+        self.live: dict[str, _Live] = {}
+        self._adds: list[str] = []
+        self._aborts: set[str] = set()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
+        self._task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+        self.restarts = 0
+
+    # -- bookkeeping visible to tests and metrics ----------------------------------------------
+    @property
+    def num_active(self) -> int:
+        return len(self.live)
+
+    def stats(self) -> dict[str, Any]:
+        d = self.controller.decision
+        return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
+                "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
+                "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
+                "loop_restarts": self.restarts}
+
+    def state(self) -> ReplicaState:
+        """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
+        c, d, e = self.controller.cfg, self.controller.decision, self.engine
+        capacity = e.cfg.max_num_seqs * e.cfg.max_model_len
+        used = sum(s.num_tokens for s in list(e.scheduler.running))
+        return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
+                            kv_occupancy=used / capacity if capacity else 0.0, tau=d.tau, tau_min=c.tau_min,
+                            tau_max=c.tau_max, min_confidence=d.min_confidence)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _bounds(self, req: ReplicaRequest) -> tuple[int, int]:
+        c = self.controller.cfg
+        lo, hi = c.tau_min, c.tau_max
+        if req.profile == "quality":
+            hi = max(lo, min(hi, c.rest_tau - 1))
+        elif req.profile == "speed":
+            lo = min(hi, max(lo, c.rest_tau + 1))
+        if req.tau_min:
+            lo = min(max(lo, req.tau_min), hi)
+        if req.tau_max:
+            hi = max(min(hi, req.tau_max), lo)
+        return lo, hi
+
+    async def submit(self, req: ReplicaRequest) -> AsyncGenerator[dict[str, Any], None]:
+        """Queue a request and yield its blocks; cancelling the iteration frees its slot."""
+        if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
+            raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
+        if req.request_id in self.live:
+            raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
+        lo, hi = self._bounds(req)
+        live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
+        self.live[req.request_id] = live
+        tel = self.telemetry
+        if tel is not None:
+            tel.on_arrival(req.request_id, req.traceparent, {"dmtd.tau_bounds": f"{lo}..{hi}",
+                                                             "dmtd.max_new_tokens": req.max_new_tokens})
+        self._ensure_task()
+        try:
+            live.prompt_ids = await self._encode(req)
+            self._adds.append(req.request_id)
+            self._wake.set()
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.get("finish_reason"):
+                    return
+        finally:
+            if self.live.pop(req.request_id, None) is not None:
+                # cancelled or failed mid-stream: the engine frees the slot before its next step
+                self._aborts.add(req.request_id)
+                self._wake.set()
+            if tel is not None:
+                tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
+
+    async def _encode(self, req: ReplicaRequest) -> list[int]:
+        """The prompt's token ids, computed on the engine's thread (off the event loop, between steps)."""
+        name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
+        prompt: Any = req.messages or req.prompt_token_ids or req.prompt
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.encode, prompt)
+        except RequestError as e:
+            raise RequestFailed(e.field, str(e)) from e
+        except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
+            raise RequestFailed(name, f"{name}: cannot be tokenised ({type(e).__name__}: {e})"[:300]) from e
+        except Exception as e:
+            raise self._internal(req.request_id, "tokenising the prompt failed", e) from e
+
+    def _internal(self, rid: str, what: str, e: BaseException) -> ReplicaInternalError:
+        err = ReplicaInternalError(f"{what} ({type(e).__name__})")
+        log.error("request %s: %s [error id %s]", rid, what, err.error_id, exc_info=e)
+        return err
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Run the loop; if it ever ends with an exception, count it and start it again."""
+        while True:
+            try:
+                await self._run()
+            except Exception:
+                self.restarts += 1
+                log.exception("engine loop of %s ended; restarting it (restart %d)", self.replica_name,
+                              self.restarts)
+                if self.telemetry is not None:
+                    self.telemetry.on_loop_restart()
+                await asyncio.sleep(0.01)
+
+    def _fail(self, rid: str, error: BaseException, reason: str = "error") -> None:
+        """End one request with ``error``; the engine frees its slot before the next step."""
+        live = self.live.pop(rid, None)
+        if live is not None:
+            live.queue.put_nowait(error)
+        self._aborts.add(rid)
+        if self.telemetry is not None:
+            self.telemetry.on_finish(rid, reason, error=str(error))
+
+    def _admit(self, rid: str) -> None:
+        live = self.live.get(rid)
+        if live is None:
+            return
+        r = live.req
+        d = self.controller.decision
+        tau = max(live.tau_lo, min(live.tau_hi, d.tau))
+        conf = r.min_confidence if r.min_confidence is not None else d.min_confidence
+        try:
+            params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
+                                    max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
+                                    stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf)
+            self.engine.add_request(live.prompt_ids, params, req_id=rid)
+        except RequestError as e:
+            self._fail(rid, RequestFailed(e.field, str(e)))
+            return
+        except (ValueError, TypeError, OverflowError) as e:  # a field of the wrong type or range got this far
+            self._fail(rid, RequestFailed("request", f"request: rejected by the engine ({type(e).__name__}: {e})"))
+            return
+        except Exception as e:
+            self._fail(rid, self._internal(rid, "admission failed", e))
+            return
+        live.prompt_tokens = self.engine.seqs[rid].prompt_len
+        live.t_admit_wall = time.time()
+        live.t_admit = live.t_last = time.perf_counter()
+        if self.telemetry is not None:
+            self.telemetry.on_admit(rid, live.prompt_tokens, tau, conf,
+                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for rid in self._aborts:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            self._aborts.clear()
+            adds, self._adds = self._adds, []
+            for rid in adds:
+                self._admit(rid)
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t_step = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as e:  # an engine bug must not hang every stream
+                for rid in list(self.live):
+                    self._fail(rid, self._internal(rid, "engine step failed", e))
+                continue
+            self.num_steps += 1
+            now = time.perf_counter()
+            if self.telemetry is not None:
+                self._observe_step(outputs, now - t_step)
+            for o in outputs:
+                try:
+                    self._dispatch(o, now)
+                except Exception as e:
+                    self._fail(o.req_id, self._internal(o.req_id, "delivering a block failed", e))
+            self._apply_controller()
+
+    def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
+        assert self.telemetry is not None
+        prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
+        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.cycle_len) for o in outputs])
+        heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
+        self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
+
+    def _dispatch(self, o: StepOutput, now: float) -> None:
+        live = self.live.get(o.req_id)
+        if live is None:
+            return
+        live.text.append(o.text_delta)
+        if o.token_id >= 0:
+            live.num_tokens += 1
+            live.num_heads += o.is_head
+        if not o.block and not o.finished:
+            return
+        tokens = list(o.block or [])
+        confs = list(o.block_confidences or []) or [0.0]
+        interval_ms = (now - live.t_last) * 1e3
+        if live.block_index > 0 and tokens:
+            self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
+        block: dict[str, Any] = {
+            "request_id": o.req_id, "token_ids": tokens, "text": "".join(live.text), "block_index": live.block_index,
+            "k": len(tokens), "tau": o.cycle_len, "min_confidence": self.engine.seqs[o.req_id].params.min_confidence
+            if o.req_id in self.engine.seqs else 0.0,
+            "confidence": (min(confs), sum(confs) / len(confs), max(confs)),
+            "block_ms": interval_ms, "replica": self.replica_name,
+            "queue_ms": max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
+        }
+        live.text, live.t_last = [], now
+        live.block_index += 1
+        seq = self.engine.seqs.get(o.req_id)
+        if self.telemetry is not None:
+            cut = seq is not None and seq.num_cycles_cut > live.cycles_cut
+            live.cycles_cut = seq.num_cycles_cut if seq is not None else live.cycles_cut
+            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block["block_index"], cut, min(confs),
+                                    interval_ms)
+        if o.finished:
+            block["finish_reason"] = o.finish_reason or "stop"
+            block["error"] = o.error
+            block["usage"] = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.num_tokens,
+                              "blocks": live.block_index, "heads": live.num_heads,
+                              "cycles_cut": seq.num_cycles_cut if seq else 0}
+            self.engine.release(o.req_id)
+            self.live.pop(o.req_id, None)
+            if self.telemetry is not None:
+                self.telemetry.on_finish(o.req_id, block["finish_reason"], block["usage"], o.error)
+        live.queue.put_nowait(block)
+
+    def _apply_controller(self) -> None:
+        self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)
+        self.apply_decision()
+
+    def apply_decision(self) -> None:
+        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate."""
+        d = self.controller.decision
+        for rid, live in self.live.items():
+            seq = self.engine.seqs.get(rid)
+            if seq is None:
+                continue
+            tau = max(live.tau_lo, min(live.tau_hi, d.tau))
+            if seq.cycle_len != tau:
+                self.engine.set_cycle_len(rid, tau)
+            if not live.fixed_confidence:
+                seq.params.min_confidence = d.min_confidence
+
+    def reconfigure(self, cfg: ControllerConfig) -> None:
+        self.controller.reconfigure(cfg)
+        for live in self.live.values():
+            live.tau_lo, live.tau_hi = self._bounds(live.req)

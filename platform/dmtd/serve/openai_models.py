@@ -1,0 +1,168 @@
+"""The OpenAI API's request bodies as pydantic models: its own field names, JSON types and ranges.
+
+One validated model per endpoint; ``parse_body`` turns raw bytes into a :class:`ReplicaRequest` or raises
+:class:`InvalidRequest` naming the field in the OpenAI API's terms (``max_tokens``, ``messages[0].content``).
+DMTD extras (``top_k``, ``tau_min``, ``tau_max``, ``min_confidence``, ``user_request_id``) sit beside them;
+any other key is refused, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dmtd.serve.requests import (
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    InvalidRequest,
+    Limits,
+    ReplicaRequest,
+    validate,
+)
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=64)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = _STRICT
+
+    model: str = Field("", max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0,
+                                      description="below 0.01 (0 included) decoding is greedy")
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    top_k: int | None = Field(None, ge=0, le=1 << 20, description="DMTD extension: 0 = off")
+    tau_min: int | None = Field(None, ge=0, le=64, description="DMTD extension: lower bound of the cycle length")
+    tau_max: int | None = Field(None, ge=0, le=64, description="DMTD extension: upper bound of the cycle length")
+    min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="DMTD extension: pin the gate")
+    user_request_id: str | None = Field(None, max_length=128, description="DMTD extension: request id")
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or a list of token ids."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
+        Annotated[list[TokenId], Field(min_length=1)]
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str", "constrained-int"}
+
+
+def _field(loc: tuple[int | str, ...]) -> str:
+    """``('messages', 0, 'content', 'str')`` -> ``messages[0].content`` (union member tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def _invalid(e: ValidationError) -> InvalidRequest:
+    errors = e.errors(include_url=False, include_input=False, include_context=True)
+    # of a union's member errors, one that is not a mere type mismatch says more
+    err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+    kind, field = err["type"], _field(tuple(err["loc"]))
+    if kind == "json_invalid":
+        detail = str((err.get("ctx") or {}).get("error", err["msg"]))
+        hint = "; strings must be UTF-8 without lone surrogates" if "escape" in detail or "unicode" in detail else ""
+        return InvalidRequest("body", f"is not valid JSON ({detail}{hint})")
+    if kind == "extra_forbidden":
+        return InvalidRequest(field, f"Unrecognized request argument supplied: {field}")
+    if kind == "model_type" and field == "body":
+        return InvalidRequest("body", "must be a JSON object")
+    return InvalidRequest(field, err["msg"])
+
+
+def openai_field(name: str, chat: bool) -> str:
+    """An internal field name (``max_new_tokens``, ``chat.messages[0].content``) in the OpenAI API's terms."""
+    if name.startswith("chat.messages"):
+        return "messages" + name[len("chat.messages"):]
+    for prefix in ("sampling.", "cycle."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    if name == "max_new_tokens":
+        return "max_tokens"
+    if name in ("input", "prompt", "prompt_token_ids"):
+        return "messages" if chat else "prompt"
+    return name
+
+
+def openai_text(text: str) -> str:
+    """Internal field names inside a message, in the OpenAI API's terms."""
+    for internal, public in (("chat.messages", "messages"), ("max_new_tokens", "max_tokens"), ("sampling.", ""),
+                             ("cycle.", "")):
+        text = text.replace(internal, public)
+    return text
+
+
+def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tuple[ReplicaRequest, Any]:
+    """Validate a request body; return the replica request and the validated model."""
+    model_cls: type[_Common] = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        body = model_cls.model_validate_json(raw)
+    except ValidationError as e:
+        raise _invalid(e) from e
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 128
+    req = ReplicaRequest(
+        request_id=body.user_request_id or "", max_new_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=stop,
+        tau_min=body.tau_min or 0, tau_max=body.tau_max or 0, min_confidence=body.min_confidence,
+        arrival_s=arrival_s,
+    )
+    if isinstance(body, ChatCompletionRequest):
+        req.messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]
+    elif isinstance(body, CompletionRequest):
+        if isinstance(body.prompt, str):
+            req.prompt = body.prompt
+        elif body.prompt and isinstance(body.prompt[0], str):
+            req.prompt = str(body.prompt[0])
+        else:
+            req.prompt_token_ids = [int(t) for t in body.prompt]
+    try:
+        return validate(req, limits), body
+    except InvalidRequest as e:
+        raise InvalidRequest(openai_field(e.field, chat), openai_text(e.rule)) from e

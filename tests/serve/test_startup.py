@@ -1,0 +1,46 @@
+"""Start-up that survives a busy machine: waits sized for a loaded node, a retry, a one-line error."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dmtd.serve.local import READY_ENV, StartupError, add_serve_args, prepare_environment, start_with_retry
+
+
+def test_a_failed_start_is_retried_then_named_in_one_line():
+    attempts: list[int] = []
+    cleanups: list[int] = []
+    lines: list[str] = []
+
+    def flaky() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("ActorDiedError: The actor died because it was killed by ray.kill\n(never ran)")
+
+    start_with_retry(flaky, 2, lambda: cleanups.append(1), lambda: "Serve proxy on node n1 (UNHEALTHY)", lines.append)
+    assert len(attempts) == 2 and len(cleanups) == 1 and "retrying (1/2)" in lines[0]
+
+    def dead() -> None:
+        raise RuntimeError("Traceback (most recent call last):\n  ...\nActorDiedError: killed by ray.kill")
+
+    with pytest.raises(StartupError) as e:
+        start_with_retry(dead, 2, lambda: None, lambda: "Serve proxy on node n1 (UNHEALTHY)", lines.append)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("Serve proxy on node n1 (UNHEALTHY) did not come up after 2 attempt")
+    assert msg.endswith("ActorDiedError: killed by ray.kill")
+
+
+def test_readiness_waits_are_sized_for_a_loaded_node_and_configurable():
+    args = argparse.ArgumentParser()
+    add_serve_args(args)
+    ns = args.parse_args([])
+    assert ns.ready_timeout_s == 60.0 and ns.start_attempts == 2 and ns.host == "127.0.0.1"
+    env: dict[str, str] = {}
+    prepare_environment(ns.ready_timeout_s, env)
+    assert all(env[v] == "60.0" for v in READY_ENV) and env["DMTD_SERVE_INTERNAL_HOST"] == "127.0.0.1"
+    env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120"}
+    prepare_environment(30, env)  # an operator's own setting wins
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "120"
+    assert env["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "30"
