@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench images clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +26,7 @@ demo: setup
 lint: $(STAMP)
 	$(BIN)/ruff check platform operator tests
 	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants platform/dmtd/registry platform/dmtd/serve platform/dmtd/telemetry platform/dmtd/web platform/dmtd/train platform/dmtd/client.py \
-		operator/dmtd_operator
+		operator/dmtd_operator contract/dmtd_contract
 	$(BIN)/lint-imports
 
 test: setup lint
@@ -34,7 +34,12 @@ test: setup lint
 	bash scripts/install-redis.sh
 	bash scripts/install-chromium.sh
 	bash scripts/check-proto.sh
+	IMAGES_OPTIONAL=1 bash scripts/build-images.sh
 	$(BIN)/python -m pytest -q
+
+# The container images the chart runs (podman, local Debian base; see docker/).
+images:
+	bash scripts/build-images.sh
 
 bench: setup
 	$(BIN)/dmtd bench engine --json docs/figures/bench_engine.json

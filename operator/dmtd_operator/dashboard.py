@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 
 SEL = 'namespace=~"$namespace",deployment=~"$deployment"'
 

@@ -1,7 +1,7 @@
 """The default metrics source: PromQL instant queries against a Prometheus HTTP API.
 
 Every series is selected by `namespace` and `deployment` (the DMTDDeployment name), the labels the
-ServiceMonitor and the serving side attach. Metric names come from `dmtd_operator.metric_names`.
+ServiceMonitor and the serving side attach. Metric names come from `dmtd_contract.metric_names`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import aiohttp
 
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 from dmtd_operator.metrics import MetricsTarget, MetricsUnavailableError, MetricsWindow
 
 

@@ -1,6 +1,7 @@
 """Registry entries: how the operator tells the serving side what a deployment serves.
 
-The real variant registry is Redis (pub/sub), owned by the serving side. The operator only needs to
+The real variant registry is Redis (pub/sub); its client is ``dmtd_contract.registry``, shared with the
+serving side. The operator only needs to
 publish "deployment X serves variants V with weights W at tau bounds T behind gateway G" and withdraw it
 on delete, so it depends on the `RegistryWriter` interface. The default writer mirrors the entry into a
 ConfigMap `<name>-registry`; `RedisRegistry` writes the real registry (and keeps the ConfigMap mirror).
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import kopf
 
+from dmtd_contract.registry import RegistryClient, RegistryUnavailable, VariantNotFound
 from dmtd_operator import resources as r
 from dmtd_operator.kube import ConflictError, KubeApi, ObjectRef
 
@@ -125,8 +127,6 @@ class RedisRegistry:
         await self.mirror.publish(entry, owner)
 
     def _publish_sync(self, entry: RegistryEntry) -> None:
-        from dmtd.registry import RegistryClient, RegistryUnavailable, VariantNotFound
-
         try:
             with RegistryClient(self.url) as reg:
                 for v in entry.variants:
@@ -144,7 +144,9 @@ class RedisRegistry:
                     tau_max = min(entry.tau_max, current.tau_max)
                     tau_min = min(entry.tau_min, tau_max)
                     if (current.tau_min, current.tau_max) != (tau_min, tau_max):
-                        reg.update(v.name, tau_min=tau_min, tau_max=tau_max)
+                        # The entry's default τ must stay inside its bounds: narrowing takes it along.
+                        default_tau = max(tau_min, min(current.default_tau, tau_max))
+                        reg.update(v.name, tau_min=tau_min, tau_max=tau_max, default_tau=default_tau)
         except RegistryUnavailable as e:
             raise kopf.TemporaryError(f"registry {self.url} unavailable: {e}", delay=15) from e
 
@@ -155,8 +157,6 @@ class RedisRegistry:
         await self.mirror.withdraw(namespace, deployment)
 
     def _zero_weights(self, names: list[str]) -> None:
-        from dmtd.registry import RegistryClient, VariantNotFound
-
         with RegistryClient(self.url) as reg:
             for name in names:
                 with contextlib.suppress(VariantNotFound):

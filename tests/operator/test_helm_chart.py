@@ -13,7 +13,8 @@ import pytest
 import yaml
 from manifests import CHART, ROOT, cr_errors, render_docs, validate_builtin
 
-from dmtd_operator import metric_names, render
+from dmtd_contract import metric_names
+from dmtd_operator import render
 from dmtd_operator import resources as r
 from dmtd_operator.spec import DMTDDeploymentSpec
 

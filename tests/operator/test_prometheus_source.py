@@ -8,7 +8,7 @@ import json
 import kmock
 import pytest
 
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 from dmtd_operator.metrics import (
     AnnotationMetricsSource,
     MetricsTarget,

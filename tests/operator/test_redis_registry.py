@@ -8,7 +8,7 @@ import kopf
 import pytest
 from tests.registry.conftest import redis_server  # noqa: F401 — the session redis-server fixture
 
-from dmtd.registry import RegistryClient, VariantSpec
+from dmtd_contract.registry import RegistryClient, VariantSpec
 from dmtd_operator.registry import RedisRegistry, RegistryEntry, VariantEntry
 
 
@@ -43,3 +43,16 @@ def test_unregistered_variant_is_a_temporary_error(redis_server):  # noqa: F811
     url = redis_server.rsplit("/", 1)[0] + "/6"
     with pytest.raises(kopf.TemporaryError, match="dmtd variants register"):
         asyncio.run(RedisRegistry(url).publish(entry({"never-registered": 100}), None))
+
+
+def test_narrowing_tau_below_the_default_tau_takes_the_default_along(redis_server):  # noqa: F811
+    # Found by the operator-image smoke test: the chart's default deployment starts at tau_max 1 while a
+    # registered variant defaults to tau 3; the registry refused the update and nothing was mirrored.
+    url = redis_server.rsplit("/", 1)[0] + "/7"
+    with RegistryClient(url) as reg:
+        reg.register(VariantSpec.model_validate({"name": "op-c", "num_thinking_layers": 22,
+                                                 "num_decoding_layers": 8, "tau_max": 4, "default_tau": 3}))
+    asyncio.run(RedisRegistry(url).publish(entry({"op-c": 100}, tau_min=1, tau_max=1), None))
+    with RegistryClient(url) as reg:
+        c = reg.get("op-c")
+    assert (c.status, c.tau_min, c.tau_max, c.default_tau, c.traffic_weight) == ("active", 1, 1, 1, 1.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dmtd.registry import RegistryClient, VariantSpec
+from dmtd_contract.registry import RegistryClient, VariantSpec
 
 INSTALL_HINT = ("the registry tests need Debian's redis-server on PATH: apt-get install -y redis-server "
                 "(CI installs it)")

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from dmtd.registry import RegistryClient, RegistryUnavailable, VariantNotFound
-from dmtd.registry.client import RegistryClient as ClientClass
+from dmtd_contract.registry import RegistryClient, RegistryUnavailable, VariantNotFound
+from dmtd_contract.registry.client import RegistryClient as ClientClass
 from tests.registry.conftest import spec
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dmtd.registry import RegistryClient
 from dmtd.registry.cli import main
+from dmtd_contract.registry import RegistryClient
 
 
 def variant_dir(root: Path, name: str = "smollm2-d8", **manifest: object) -> Path:

@@ -7,7 +7,7 @@ import json
 import pytest
 import redis
 
-from dmtd.registry import (
+from dmtd_contract.registry import (
     InvalidTransition,
     InvalidVariant,
     RegistryClient,

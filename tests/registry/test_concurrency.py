@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from dmtd.registry import RegistryClient, VariantEntry
+from dmtd_contract.registry import RegistryClient, VariantEntry
 from tests.registry.conftest import spec
 
 NUM_VARIANTS = 4

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import psutil
 
-from dmtd.registry import EmbeddedRedis, RegistryClient, embedded_redis
+from dmtd.registry import EmbeddedRedis, embedded_redis
+from dmtd_contract.registry import RegistryClient
 from tests.registry.conftest import spec
 
 

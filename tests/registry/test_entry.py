@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dmtd.registry import InvalidVariant, VariantEntry, VariantSpec
-from dmtd.registry.entry import validated
 from dmtd.variants.manifest import VariantManifest
+from dmtd_contract.registry import InvalidVariant, VariantEntry, VariantSpec
+from dmtd_contract.registry.entry import validated
 from tests.registry.conftest import spec
 
 SHA = "ab" * 32

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from dmtd.registry import RegistrySnapshot, VariantEntry, VariantNotActive, VariantNotFound, pick_weighted
+from dmtd_contract.registry import RegistrySnapshot, VariantEntry, VariantNotActive, VariantNotFound, pick_weighted
 from tests.registry.conftest import spec
 
 

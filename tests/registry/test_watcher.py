@@ -8,8 +8,8 @@ import time
 import pytest
 import redis
 
-from dmtd.registry import RegistryChange, RegistryClient, RegistrySnapshot, RegistryView, RegistryWatcher
-from dmtd.registry.errors import RegistryUnavailable
+from dmtd_contract.registry import RegistryChange, RegistryClient, RegistrySnapshot, RegistryView, RegistryWatcher
+from dmtd_contract.registry.errors import RegistryUnavailable
 from tests.registry.conftest import spec
 
 pytestmark = pytest.mark.asyncio

@@ -46,7 +46,7 @@ def free_port() -> int:
 
 def start_registry(workdir) -> tuple[object, str]:
     """A Debian redis-server on loopback of this (private) namespace, with the served variant registered."""
-    from dmtd.registry import RegistryClient, VariantSpec
+    from dmtd_contract.registry import RegistryClient, VariantSpec
     from tests.registry.conftest import INSTALL_HINT, _start, system_redis_server
 
     exe = system_redis_server()

@@ -9,7 +9,7 @@ from collections import defaultdict
 from prometheus_client.parser import text_string_to_metric_families
 
 from dmtd.client import DMTDClient
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 from tests.serve.conftest import VARIANT
 from tests.serve.test_stack import wait_idle
 

@@ -157,7 +157,7 @@ def test_openai_client_streaming_and_not(stack):
 
 
 def test_registry_change_reaches_replica_and_gateway_within_2s(stack):
-    from dmtd.registry import RegistryClient
+    from dmtd_contract.registry import RegistryClient
 
     before = stack.replica_stats()
     with RegistryClient(stack.registry_url) as reg:

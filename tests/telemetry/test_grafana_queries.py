@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from dmtd_contract import metric_names as m
 from dmtd_operator import dashboard
-from dmtd_operator import metric_names as m
 
 ROOT = Path(__file__).resolve().parents[2]
 BOARD = ROOT / "helm" / "dmtd" / "files" / "grafana-dashboard.json"

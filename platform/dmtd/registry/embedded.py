@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dmtd.registry.errors import RegistryUnavailable
+from dmtd_contract.registry.errors import RegistryUnavailable
 
 ENV_URL = "DMTD_REGISTRY_URL"
 

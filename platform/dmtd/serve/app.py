@@ -103,7 +103,7 @@ class Gateway:
         self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
         self.view: Any = None
         if registry_url:
-            from dmtd.registry import RegistryClient, RegistryView
+            from dmtd_contract.registry import RegistryClient, RegistryView
 
             self.view = RegistryView(RegistryClient(registry_url))
             self.view.add_listener(self._on_registry)

@@ -51,7 +51,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def ensure_registered(url: str, name: str, variant: str, model: str | None, decoding_layers: int | None) -> None:
     """Put the served variant in the registry (active, default) unless it is there already."""
-    from dmtd.registry import RegistryClient, VariantNotFound, VariantSpec
+    from dmtd_contract.registry import RegistryClient, VariantNotFound, VariantSpec
 
     with RegistryClient(url) as reg:
         try:

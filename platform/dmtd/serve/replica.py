@@ -64,7 +64,7 @@ class DMTDReplica:
         """Subscribe to the registry and apply this variant's tunables on every change."""
         if not self.registry_url or not self.variant or self._view is not None:
             return
-        from dmtd.registry import RegistryClient, RegistryView
+        from dmtd_contract.registry import RegistryClient, RegistryView
 
         self._view = RegistryView(RegistryClient(self.registry_url))
         self._view.add_listener(self._on_registry)

@@ -4,6 +4,6 @@ process), structured JSON logs, the cost model and the cost report. Imports no e
 Modules: ``config`` (settings, prices), ``tracing``, ``prometheus`` (the endpoint), ``instruments``,
 ``gateway`` / ``replica`` (the hooks the serving processes call), ``live`` (dashboard statistics),
 ``logs`` (JSON lines), ``system`` (CPU / NVML), ``cost`` (pure arithmetic), ``report`` (``dmtd cost report``).
-Metric names live in ``dmtd_operator.metric_names`` (shared with the operator and the Grafana dashboard).
+Metric names live in ``dmtd_contract.metric_names`` (shared with the operator and the Grafana dashboard).
 This package imports nothing on import, so the CLI stays quick.
 """

@@ -15,7 +15,7 @@ from dmtd.telemetry.instruments import Instruments
 from dmtd.telemetry.live import LiveStats, percentile
 from dmtd.telemetry.prometheus import MetricsEndpoint
 from dmtd.telemetry.tracing import Tracing, extract, inject, setup_tracing, trace_ids
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 
 log = logging.getLogger("dmtd.gateway.requests")
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry instruments named by ``dmtd_operator.metric_names``: one place creates them all."""
+"""OpenTelemetry instruments named by ``dmtd_contract.metric_names``: one place creates them all."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 
 Labels = dict[str, str]
 Reading = Callable[[], Iterable[tuple[float, Labels]]]

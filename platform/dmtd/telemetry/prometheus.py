@@ -1,6 +1,6 @@
 """An OpenTelemetry MeterProvider read by a Prometheus endpoint of this process (its own registry and port).
 
-Instrument names are the Prometheus names of ``dmtd_operator.metric_names`` (the exporter appends nothing
+Instrument names are the Prometheus names of ``dmtd_contract.metric_names`` (the exporter appends nothing
 they do not already end with), histogram buckets come from views, scope labels and ``target_info`` are off
 so the exposition carries exactly our labels.
 """
@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 
 log = logging.getLogger("dmtd.telemetry")
 

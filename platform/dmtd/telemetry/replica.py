@@ -18,7 +18,7 @@ from dmtd.telemetry.instruments import Instruments, Labels
 from dmtd.telemetry.prometheus import MetricsEndpoint
 from dmtd.telemetry.system import CpuSampler, NvmlSampler
 from dmtd.telemetry.tracing import Tracing, extract, setup_tracing, trace_ids
-from dmtd_operator import metric_names as m
+from dmtd_contract import metric_names as m
 
 log = logging.getLogger("dmtd.replica.requests")
 

@@ -20,10 +20,10 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from dmtd.registry.client import RegistryClient
-from dmtd.registry.errors import RegistryUnavailable
-from dmtd.registry.keys import RegistryKeys
-from dmtd.registry.routing import RegistrySnapshot
+from dmtd_contract.registry.client import RegistryClient
+from dmtd_contract.registry.errors import RegistryUnavailable
+from dmtd_contract.registry.keys import RegistryKeys
+from dmtd_contract.registry.routing import RegistrySnapshot
 
 log = logging.getLogger(__name__)
 

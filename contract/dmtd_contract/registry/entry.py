@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dmtd.registry.errors import InvalidVariant
+from dmtd_contract.registry.errors import InvalidVariant
 
 VariantStatus = Literal["staged", "active", "retired"]
 PhaseAnchor = Literal["prompt_end", "absolute"]

@@ -15,8 +15,8 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from dmtd.registry.entry import VariantEntry, VariantStatus
-from dmtd.registry.errors import VariantNotActive, VariantNotFound
+from dmtd_contract.registry.entry import VariantEntry, VariantStatus
+from dmtd_contract.registry.errors import VariantNotActive, VariantNotFound
 
 RandomSource = random.Random | Callable[[], float]
 

@@ -22,8 +22,8 @@ import redis
 from pydantic import ValidationError
 from redis.client import Pipeline
 
-from dmtd.registry.entry import VariantEntry, VariantSpec, VariantStatus, validated
-from dmtd.registry.errors import (
+from dmtd_contract.registry.entry import VariantEntry, VariantSpec, VariantStatus, validated
+from dmtd_contract.registry.errors import (
     InvalidTransition,
     InvalidVariant,
     RegistryConflict,
@@ -32,8 +32,8 @@ from dmtd.registry.errors import (
     VariantExists,
     VariantNotFound,
 )
-from dmtd.registry.keys import RegistryKeys
-from dmtd.registry.routing import RegistrySnapshot
+from dmtd_contract.registry.keys import RegistryKeys
+from dmtd_contract.registry.routing import RegistrySnapshot
 
 #: Fields ``RegistryClient.update`` may change on a registered entry (the rest define what the variant is).
 TUNABLE_FIELDS = ("tau_min", "tau_max", "default_tau", "min_confidence", "description")
