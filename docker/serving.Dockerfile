@@ -1,5 +1,6 @@
 # The serving image: Ray Serve + the dmtd package (engine, serve app `dmtd.serve.app:build_app`, registry
-# client from dmtd_contract) + the embedded SmolLM2, converted at build time.
+# client from dmtd_contract) + the embedded SmolLM2, converted at build time. $DMTD_CACHE is writable by
+# any user (the embedded registry and fingerprints live beside the converted weights).
 # KubeRay starts `ray start` in it (head and workers); the operator's RayService points Serve at our app.
 # `dmtd serve` in it runs the whole stack in one container (the smoke test does that).
 #   make images    (podman, local Debian base, torch from the machine's CPU wheel mounted at /wheels)
@@ -45,6 +46,7 @@ RUN if [ -f /host-ca.crt ]; then export PIP_CERT=/host-ca.crt; fi \
  && rm -rf /src \
  && dmtd convert \
  && chmod -R a+rX "$DMTD_CACHE" \
+ && chmod 1777 "$DMTD_CACHE" \
  && python3 -c "import dmtd.serve.app, dmtd_contract, ray, torch; print('torch', torch.__version__, 'ray', ray.__version__)"
 
 RUN useradd --create-home --uid 1000 ray

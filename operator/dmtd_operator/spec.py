@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from dmtd_operator import __version__
+
+# The image `make images` builds and the chart runs (tagged with the chart's appVersion = this version).
+SERVING_IMAGE = f"ghcr.io/dmtd/serving:{__version__}"
+
 DEFAULT_TAU_SPEEDUP: tuple[float, ...] = (1.0, 1.35, 1.55, 1.7)
 """Relative tokens/s of one replica at tau = 1, 2, 3, 4 (replace with `dmtd bench serve` results)."""
 
@@ -224,7 +229,7 @@ class SecretKeyRef(_Model):
 class Serving(_Model):
     """How replicas run: the serving image, where the variant registry lives, authentication and TLS."""
 
-    image: str = Field(default="ghcr.io/dmtd/serving:latest", min_length=1, description="Serving image.")
+    image: str = Field(default=SERVING_IMAGE, min_length=1, description="Serving image (`make images` builds it).")
     ray_version: str = Field(default="2.60.0", description="Ray version inside the image.")
     registry_url: str = Field(
         default="", description="Redis URL of the variant registry; empty = operator default."
