@@ -19,7 +19,7 @@ def test_weight_bytes_of_smollm2():
 
 @pytest.mark.parametrize("tau,expected", [(2, 1.41), (3, 1.63), (4, 1.77)])
 def test_memory_bound_speedups_match_design(tau, expected):
-    """design.md §4: D=8 counting weight bytes gives 1.41×, 1.63×, 1.77× over AR."""
+    """docs/design.md §4: D=8 counting weight bytes gives 1.41×, 1.63×, 1.77× over AR."""
     rates = MachineRates(copy_gb_s=15, matvec_gb_s=10, matmul_gflop_s=1e6)
     dmtd = DMTDConfig.plain(30, 8, 4)
     ar = bound_tok_s(SMOL, None, 1, 1, 0, rates)

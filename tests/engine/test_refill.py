@@ -1,4 +1,4 @@
-"""Refill equivalence: incremental DMTD decoding equals the training-time masked forward (design.md §1)."""
+"""Refill equivalence: incremental DMTD decoding equals the training-time masked forward (docs/design.md §1)."""
 
 from __future__ import annotations
 

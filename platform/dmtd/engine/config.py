@@ -104,7 +104,7 @@ def lm_head_bytes(cfg: ModelConfig, elem: int = 4) -> int:
 
 @dataclass(slots=True)
 class DMTDConfig:
-    """Layer split and routing conventions of a DMTD variant (design.md §1).
+    """Layer split and routing conventions of a DMTD variant (docs/design.md §1).
 
     ``num_encoding_layers`` (E) + ``num_thinking_layers`` (T) + ``num_decoding_layers`` (D) = L.
     A head position runs all layers; a tail runs the encoding and decoding layers only and has its

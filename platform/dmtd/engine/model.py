@@ -2,7 +2,7 @@
 
 Two ways to run it:
 
-* ``forward_masked`` — the training-time cyclical-masking forward over whole sequences (design.md §1);
+* ``forward_masked`` — the training-time cyclical-masking forward over whole sequences (docs/design.md §1);
 * ``run_layers`` with a :class:`StepContext` — incremental steps against the preallocated KV cache,
   used by :mod:`dmtd.engine.runner`.
 """
@@ -289,7 +289,7 @@ class Transformer(nn.Module):
         return self.logits(self.run_layers(x, dmtd.decoding_start, len(self.layers), cos, sin))
 
     def forward_masked(self, input_ids: torch.Tensor, head_mask: torch.Tensor, dmtd: DMTDConfig) -> torch.Tensor:
-        """Training-time cyclical-masking forward: logits [B, T, V] (design.md §1)."""
+        """Training-time cyclical-masking forward: logits [B, T, V] (docs/design.md §1)."""
         h_enc, h_think = self.forward_lower(input_ids, dmtd)
         x = route_decoding_input(h_enc, h_think, head_mask, dmtd.head_input)
         return self.forward_decoding(x, dmtd)

@@ -12,7 +12,7 @@ RESUMABLE_CHANGES = ("max_steps", "checkpoint_every", "keep_checkpoints", "eval_
 
 
 class TrainConfig(BaseModel):
-    """A cyclical-masking fine-tuning run (design.md §1): routing, scope, loss and schedule."""
+    """A cyclical-masking fine-tuning run (docs/design.md §1): routing, scope, loss and schedule."""
 
     model_config = ConfigDict(extra="forbid")
 
