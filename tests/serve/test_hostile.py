@@ -11,6 +11,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ import requests
 
 from dmtd.client import DMTDClient, build_request
 from dmtd.serve.errors import RequestFailed
+from dmtd_contract.records import ReplicaRequest
 from tests.serve.conftest import VARIANT
 from tests.serve.heartbeat import INTERNAL_NAMES, budget
 
@@ -38,21 +40,23 @@ def test_poison_requests_never_stop_the_replicas_loop(stack, heartbeat):
     poisons = [{"messages": CHAT, "seed": "x", "temperature": 0.7, "max_new_tokens": 4},
                {"messages": CHAT, "seed": 1.5, "temperature": 0.7},
                {"messages": [{"role": "user", "content": "\ud800"}]}, {"messages": ["hi"]},
-               {"prompt": "Hi", "temperature": "0.5"}, {"prompt": "Hi", "stop": [None]}, {"prompt": None},
-               {"prompt": "Hi", "no_such_field": 1}]
+               {"prompt": "Hi", "temperature": "0.5"}, {"prompt": "Hi", "stop": [None]}, {"prompt": None}]
     before = stack.replica_stats()["loop_restarts"]
     t0 = time.monotonic()
     failures = []
-    for p in poisons:
+    # Records with bad values, and a dict (not a ReplicaRequest at all, as a caller from before the records)
+    sends: list[Any] = [ReplicaRequest(uuid.uuid4().hex, **p) for p in poisons]
+    sends.append({"request_id": uuid.uuid4().hex, "prompt": "Hi", "no_such_field": 1})
+    for p in sends:
         sent = time.monotonic()
         with pytest.raises(Exception) as e:  # noqa: B017 — Ray wraps the replica's exception
-            list(handle.generate.remote({"request_id": uuid.uuid4().hex, **p}))
+            list(handle.generate.remote(p))
         cause = getattr(e.value, "cause", None) or e.value
         failures.append((p, type(cause).__name__, str(cause)[:120]))
         assert isinstance(cause, RequestFailed), failures[-1]
         heartbeat.assert_advances(sent, budget(heartbeat))
     gaps = heartbeat.gaps_since(t0)
-    print(f"\npoison: {len(poisons)} requests, stream interval median {heartbeat.median_interval_s() * 1e3:.0f} ms, "
+    print(f"\npoison: {len(sends)} requests, stream interval median {heartbeat.median_interval_s() * 1e3:.0f} ms, "
           f"max gap while poisoned {max(gaps) * 1e3:.0f} ms")
     assert max(gaps) < budget(heartbeat)
     assert stack.replica_stats()["loop_restarts"] == before  # nothing even had to be restarted
@@ -166,8 +170,9 @@ def test_streaming_refusals_are_real_status_codes(stack, heartbeat):
     from ray import serve
 
     handle = serve.get_deployment_handle("DMTDReplica", app_name=stack.app).options(stream=True)
-    fillers = [handle.generate.remote({"request_id": f"fill-{i}", "prompt_token_ids": [1, 2, 3], "max_new_tokens": 900,
-                                       "ignore_eos": True}) for i in range(11)]  # + the heartbeat: 8 slots + 4 queued
+    # 11 fillers + the heartbeat: 8 slots + 4 queued
+    fillers = [handle.generate.remote(ReplicaRequest(f"fill-{i}", prompt_token_ids=[1, 2, 3], max_new_tokens=900,
+                                                     ignore_eos=True)) for i in range(11)]
     try:
         deadline = time.monotonic() + 60
         while stack.replica_stats()["active"] < 12:

@@ -13,7 +13,7 @@ from dmtd.engine.sequence import TEMPERATURE_FLOOR, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.errors import ReplicaInternalError
 from dmtd.serve.replica import DMTDReplica, Overloaded, RequestFailed
-from dmtd.serve.requests import ReplicaRequest
+from dmtd_contract.records import Block, ReplicaRequest
 from tests.conftest import tiny_engine, tiny_model
 
 DMTD = DMTDConfig(0, 4, 2, tau_max=4)
@@ -26,11 +26,11 @@ def make_replica(max_num_seqs: int = 4, max_queued: int = 2, rest_tau: int = 3) 
                        name="r0")
 
 
-def req(rid: str, n: int = 20, **kw) -> dict:
-    return {"request_id": rid, "prompt_token_ids": [1, 2, 3, 4, 5], "max_new_tokens": n, **kw}
+def req(rid: str, n: int = 20, **kw) -> ReplicaRequest:
+    return ReplicaRequest(**{"request_id": rid, "prompt_token_ids": [1, 2, 3, 4, 5], "max_new_tokens": n, **kw})
 
 
-async def collect(rep: DMTDReplica, r: dict) -> list[dict]:
+async def collect(rep: DMTDReplica, r: ReplicaRequest) -> list[Block]:
     return [b async for b in rep.generate(r)]
 
 
@@ -39,12 +39,12 @@ def test_blocks_carry_the_engines_tokens():
     blocks = asyncio.run(collect(rep, req("a", 20)))
     solo = tiny_engine(tiny_model(seed=21), DMTD).generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=20,
                                                                                              cycle_len=3))[0]
-    assert [t for b in blocks for t in b["token_ids"]] == solo.token_ids
-    assert [b["k"] for b in blocks] == [len(x) for x in solo.blocks] and all(b["tau"] == 3 for b in blocks)
-    assert [b["block_index"] for b in blocks] == list(range(len(blocks)))
+    assert [t for b in blocks for t in b.token_ids] == solo.token_ids
+    assert [b.k for b in blocks] == [len(x) for x in solo.blocks] and all(b.tau == 3 for b in blocks)
+    assert [b.block_index for b in blocks] == list(range(len(blocks)))
     last = blocks[-1]
-    assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 20
-    assert last["usage"]["blocks"] == len(blocks) and last["usage"]["prompt_tokens"] == 5
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 20
+    assert last.usage.blocks == len(blocks) and last.usage.prompt_tokens == 5
 
 
 def test_concurrent_streams_and_cancel_frees_slot():
@@ -71,7 +71,7 @@ def test_concurrent_streams_and_cancel_frees_slot():
 
     got, results, stats = asyncio.run(scenario())
     assert got == 2
-    assert all(sum(b["k"] for b in r) == 16 for r in results)
+    assert all(sum(b.k for b in r) == 16 for r in results)
     assert stats["active"] == 0 and stats["free_slots"] == 4
 
 
@@ -88,11 +88,11 @@ def test_overload_and_bad_requests():
         assert e.value.retry_after_ms > 0
         await first.aclose()  # frees a place
         with pytest.raises(RequestFailed) as bad:
-            await collect(rep, {**req("d", 5), "prompt_token_ids": [1] * 300})
+            await collect(rep, req("d", 5, prompt_token_ids=[1] * 300))
         assert bad.value.field == "prompt" and "context" in str(bad.value)
         return await second
 
-    assert sum(b["k"] for b in asyncio.run(scenario())) == 5
+    assert sum(b.k for b in asyncio.run(scenario())) == 5
 
 
 def test_controller_raises_tau_under_pressure_and_returns_at_headroom():
@@ -112,8 +112,8 @@ def test_controller_raises_tau_under_pressure_and_returns_at_headroom():
     assert d.tau == 2 and "full" in d.reason
 
 
-def _timed(rep: DMTDReplica, r: dict, times: list[float]):
-    async def run() -> list[dict]:
+def _timed(rep: DMTDReplica, r: ReplicaRequest, times: list[float]):
+    async def run() -> list[Block]:
         out = []
         async for b in rep.generate(r):
             times.append(time.perf_counter())
@@ -134,7 +134,7 @@ def test_a_poison_request_fails_alone_and_the_stream_in_flight_keeps_its_pace():
         normal = statistics.median(b - a for a, b in zip(times, times[1:]))
         t_poison = time.perf_counter()
         poison = ReplicaRequest(request_id="poison", prompt_token_ids=[1, 2, 3], temperature=0.7,
-                                seed="x")  # type: ignore[arg-type]
+                                seed="x")
         with pytest.raises(ReplicaInternalError) as e:
             async for _ in rep.loop.submit(poison):
                 pass
@@ -149,7 +149,7 @@ def test_a_poison_request_fails_alone_and_the_stream_in_flight_keeps_its_pace():
     after = [t for t in times if t >= t_poison]
     gaps = [b - a for a, b in zip([t_poison, *after], after)]
     assert max(gaps[:6]) < max(0.5, 10 * normal), (normal, gaps[:6])
-    assert sum(b["k"] for b in blocks) == 120 and blocks[-1]["finish_reason"] == "length"
+    assert sum(b.k for b in blocks) == 120 and blocks[-1].finish_reason == "length"
     assert rep.loop.restarts == 0 and rep.loop.engine.scheduler.num_free_slots == 4
 
 
@@ -157,11 +157,14 @@ def test_bad_types_past_the_gateway_are_named_by_the_replica():
     rep = make_replica()
     cases = [({"seed": "x"}, "seed"), ({"temperature": "0.5"}, "temperature"), ({"stop": [None]}, "stop[0]"),
              ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"prompt_token_ids": ["a"]}, "prompt_token_ids[0]"),
-             ({"no_such": 1}, "request")]
+             ]
     for bad, field in cases:
         with pytest.raises(RequestFailed) as e:
-            asyncio.run(collect(rep, {**req("b"), **bad}))
+            asyncio.run(collect(rep, req("b", **bad)))
         assert e.value.field == field, (bad, e.value.field, str(e.value))
+    with pytest.raises(RequestFailed) as e:  # not a ReplicaRequest at all (a dict, as before the records)
+        asyncio.run(collect(rep, {"request_id": "b", "prompt_token_ids": [1]}))
+    assert e.value.field == "request" and "dict" in str(e.value)
 
 
 def test_the_supervisor_restarts_a_loop_that_ended_and_counts_it():
@@ -177,7 +180,7 @@ def test_the_supervisor_restarts_a_loop_that_ended_and_counts_it():
 
     rep.loop._apply_controller = broken_once  # type: ignore[method-assign]
     blocks = asyncio.run(collect(rep, req("a", 30)))
-    assert sum(b["k"] for b in blocks) == 30 and blocks[-1]["finish_reason"] == "length"
+    assert sum(b.k for b in blocks) == 30 and blocks[-1].finish_reason == "length"
     assert rep.loop.restarts == 1 and rep.loop.stats()["loop_restarts"] == 1
 
 

@@ -20,6 +20,7 @@ from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import JsonFormatter
 from dmtd.telemetry.prometheus import MetricsEndpoint
+from dmtd_contract.records import Block, ReplicaRequest
 from tests.conftest import tiny_engine, tiny_model
 
 
@@ -38,15 +39,15 @@ def test_replica_span_is_the_callers_child_and_metrics_add_up():
                       name="r0", variant="tiny")
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
-    async def run() -> list[dict]:
-        return [b async for b in rep.generate({"request_id": "q1", "prompt_token_ids": [1, 2, 3], "max_new_tokens": 10,
-                                               "traceparent": parent})]
+    async def run() -> list[Block]:
+        return [b async for b in rep.generate(ReplicaRequest("q1", prompt_token_ids=[1, 2, 3], max_new_tokens=10,
+                                                             traceparent=parent))]
 
     blocks = asyncio.run(run())
     (span,) = asyncio.run(rep.finished_spans("0af7651916cd43dd8448eb211c80319c"))
     assert span["parent_span_id"] == "b7ad6b7169203331" and span["attributes"]["dmtd.variant"] == "tiny"
     events = [e for e in span["events"] if e["name"] == "block"]
-    assert [(e["attributes"]["k"], e["attributes"]["tau"]) for e in events] == [(b["k"], b["tau"]) for b in blocks]
+    assert [(e["attributes"]["k"], e["attributes"]["tau"]) for e in events] == [(b.k, b.tau) for b in blocks]
     s = samples(rep.telemetry.endpoint.exposition())
     assert s["dmtd_generated_tokens_total"] == 10 == s["dmtd_block_length_sum"]
     assert s["dmtd_block_length_count"] == len(blocks)

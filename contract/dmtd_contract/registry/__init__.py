@@ -12,7 +12,7 @@ Imports pydantic and redis, nothing of ours outside ``dmtd_contract``.
 """
 
 from dmtd_contract.registry.client import TUNABLE_FIELDS, RegistryClient
-from dmtd_contract.registry.entry import STATUSES, VariantEntry, VariantSpec, VariantStatus
+from dmtd_contract.registry.entry import VariantEntry, VariantSpec
 from dmtd_contract.registry.errors import (
     InvalidTransition,
     InvalidVariant,
@@ -27,6 +27,7 @@ from dmtd_contract.registry.errors import (
 from dmtd_contract.registry.keys import RegistryKeys
 from dmtd_contract.registry.routing import RegistrySnapshot, pick_weighted
 from dmtd_contract.registry.watcher import RegistryChange, RegistryView, RegistryWatcher
+from dmtd_contract.variant_schema import STATUSES, VariantStatus
 
 __all__ = [
     "STATUSES", "TUNABLE_FIELDS", "InvalidTransition", "InvalidVariant", "RegistryChange", "RegistryClient",

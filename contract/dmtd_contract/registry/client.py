@@ -22,7 +22,7 @@ import redis
 from pydantic import ValidationError
 from redis.client import Pipeline
 
-from dmtd_contract.registry.entry import VariantEntry, VariantSpec, VariantStatus, validated
+from dmtd_contract.registry.entry import VariantEntry, VariantSpec, validated
 from dmtd_contract.registry.errors import (
     InvalidTransition,
     InvalidVariant,
@@ -34,6 +34,7 @@ from dmtd_contract.registry.errors import (
 )
 from dmtd_contract.registry.keys import RegistryKeys
 from dmtd_contract.registry.routing import RegistrySnapshot
+from dmtd_contract.variant_schema import VariantStatus
 
 #: Fields ``RegistryClient.update`` may change on a registered entry (the rest define what the variant is).
 TUNABLE_FIELDS = ("tau_min", "tau_max", "default_tau", "min_confidence", "description")

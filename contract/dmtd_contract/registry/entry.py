@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dmtd_contract.registry.errors import InvalidVariant
+from dmtd_contract.variant_schema import HeadInput, PhaseAnchor, VariantStatus
 
-VariantStatus = Literal["staged", "active", "retired"]
-PhaseAnchor = Literal["prompt_end", "absolute"]
-HeadInput = Literal["residual_add", "replace"]
-STATUSES: tuple[VariantStatus, ...] = ("staged", "active", "retired")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dmtd_contract.registry.entry import STATUSES, VariantStatus
+from dmtd_contract.variant_schema import STATUSES, VariantStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,9 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from dmtd_contract.registry.entry import VariantEntry, VariantStatus
+from dmtd_contract.registry.entry import VariantEntry
 from dmtd_contract.registry.errors import VariantNotActive, VariantNotFound
+from dmtd_contract.variant_schema import VariantStatus
 
 RandomSource = random.Random | Callable[[], float]
 

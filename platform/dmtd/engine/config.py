@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-PhaseAnchor = Literal["prompt_end", "absolute"]
-HeadInput = Literal["residual_add", "replace"]
+from dmtd_contract.variant_schema import HEAD_INPUTS, PHASE_ANCHORS, HeadInput, PhaseAnchor
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mtpqwen3")
 
 
@@ -127,9 +127,9 @@ class DMTDConfig:
             raise ConfigError(f"num_decoding_layers must be >= 1, got {self.num_decoding_layers}")
         if self.tau_max < 1:
             raise ConfigError(f"tau_max must be >= 1, got {self.tau_max}")
-        if self.phase_anchor not in ("prompt_end", "absolute"):
+        if self.phase_anchor not in PHASE_ANCHORS:
             raise ConfigError(f"phase_anchor must be 'prompt_end' or 'absolute', got {self.phase_anchor!r}")
-        if self.head_input not in ("residual_add", "replace"):
+        if self.head_input not in HEAD_INPUTS:
             raise ConfigError(f"head_input must be 'residual_add' or 'replace', got {self.head_input!r}")
 
     @property

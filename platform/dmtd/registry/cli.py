@@ -17,9 +17,10 @@ from typing import Any
 
 from dmtd.registry.embedded import ENV_URL, EmbeddedRedis, registry_url
 from dmtd_contract.registry.client import RegistryClient
-from dmtd_contract.registry.entry import STATUSES, VariantEntry, VariantSpec
+from dmtd_contract.registry.entry import VariantEntry, VariantSpec
 from dmtd_contract.registry.errors import InvalidVariant, RegistryConflict, RegistryError, RegistryUnavailable
 from dmtd_contract.registry.routing import RegistrySnapshot
+from dmtd_contract.variant_schema import STATUSES
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
 MANIFEST_NAME = "variant.json"

@@ -36,6 +36,7 @@ from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.web import asset_path
+from dmtd_contract.records import Block
 
 # no /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json stays
 http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas", docs_url=None,
@@ -230,8 +231,8 @@ class Gateway:
         usage: dict[str, int] = {}
         try:
             async for b in blocks:
-                text.append(b["text"])
-                finish, usage = b.get("finish_reason"), b.get("usage") or usage
+                text.append(b.text)
+                finish, usage = b.finish_reason, b.usage.as_dict() if b.usage else usage
         except GatewayError as e:
             return self._error(e, chat)
         return completion_response(rid, route.name, chat, "".join(text), finish, usage)
@@ -248,9 +249,9 @@ class Gateway:
         return JSONResponse(error_body(message, kind, param), status, headers=headers)
 
     @staticmethod
-    async def _sse(blocks: AsyncIterator[dict[str, Any]], head: dict[str, Any] | None, rid: str, model: str,
+    async def _sse(blocks: AsyncIterator[Block], head: Block | None, rid: str, model: str,
                    chat: bool, include_usage: bool = False) -> AsyncIterator[str]:
-        async def chained() -> AsyncIterator[dict[str, Any]]:
+        async def chained() -> AsyncIterator[Block]:
             if head is not None:
                 yield head
             async for b in blocks:
@@ -260,10 +261,10 @@ class Gateway:
         usage: dict[str, int] | None = None
         try:
             async for b in chained():
-                finish = b.get("finish_reason")
-                usage = b.get("usage") or usage
-                if b["text"] or finish or first:
-                    yield completion_chunk(rid, model, chat, b["text"], finish, first)
+                finish = b.finish_reason
+                usage = b.usage.as_dict() if b.usage else usage
+                if b.text or finish or first:
+                    yield completion_chunk(rid, model, chat, b.text, finish, first)
                     first = False
         except GatewayError as e:  # a failure after the first block (e.g. the replica went away)
             yield f"data: {json.dumps(error_body(str(e), e.code.name.lower()))}\n\n"

@@ -18,6 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dmtd_contract.stats import percentile
+
 POLICIES = {"tau1": (1, 1), "tau3": (3, 3), "adaptive": (0, 0)}
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
            "List five tips for learning a new language.", "Describe the water cycle.",
@@ -64,23 +66,16 @@ def one_request(target: str, i: int, policy: str, max_new: int) -> dict[str, Any
             "itl_ms": itl}
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def summarize(results: list[dict[str, Any]], wall_s: float, ttft_slo: float, itl_slo: float) -> dict[str, Any]:
     itl = [x for r in results for x in r["itl_ms"]]
-    ok = [r for r in results if r["ttft_ms"] <= ttft_slo and pct(r["itl_ms"], 0.95) <= itl_slo]
+    ok = [r for r in results if r["ttft_ms"] <= ttft_slo and percentile(r["itl_ms"], 0.95) <= itl_slo]
     return {"requests": len(results), "tokens": sum(r["tokens"] for r in results),
             "tokens_per_s": sum(r["tokens"] for r in results) / wall_s, "wall_s": wall_s,
-            "ttft_p50_ms": pct([r["ttft_ms"] for r in results], 0.5),
-            "ttft_p95_ms": pct([r["ttft_ms"] for r in results], 0.95),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p95_ms": pct(itl, 0.95),
-            "e2e_p50_ms": pct([r["e2e_ms"] for r in results], 0.5),
-            "e2e_p95_ms": pct([r["e2e_ms"] for r in results], 0.95),
+            "ttft_p50_ms": percentile([r["ttft_ms"] for r in results], 0.5),
+            "ttft_p95_ms": percentile([r["ttft_ms"] for r in results], 0.95),
+            "itl_p50_ms": percentile(itl, 0.5), "itl_p95_ms": percentile(itl, 0.95),
+            "e2e_p50_ms": percentile([r["e2e_ms"] for r in results], 0.5),
+            "e2e_p95_ms": percentile([r["e2e_ms"] for r in results], 0.95),
             "slo_attainment": len(ok) / len(results) if results else 0.0}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dmtd_contract.stats import percentile
+
 
 @dataclass(slots=True)
 class ControllerConfig:
@@ -76,10 +78,7 @@ class TauController:
         return self.decision
 
     def itl_p95_ms(self) -> float:
-        if not self.itl_ms:
-            return 0.0
-        data = sorted(self.itl_ms)
-        return data[min(len(data) - 1, int(0.95 * len(data)))]
+        return percentile(self.itl_ms, 0.95)
 
     def _decide(self) -> Decision:
         c, cur = self.cfg, self.decision

@@ -19,8 +19,8 @@ from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
-from dmtd.serve.requests import ReplicaRequest
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
+from dmtd_contract.records import Block, ReplicaRequest, Usage
 
 log = logging.getLogger("dmtd.replica")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("dmtd.replica")
 @dataclass
 class _Live:
     req: ReplicaRequest
-    queue: asyncio.Queue[dict[str, Any] | BaseException]
+    queue: asyncio.Queue[Block | BaseException]
     tau_lo: int
     tau_hi: int
     fixed_confidence: bool
@@ -97,7 +97,7 @@ class EngineLoop:
             hi = max(min(hi, req.tau_max), lo)
         return lo, hi
 
-    async def submit(self, req: ReplicaRequest) -> AsyncGenerator[dict[str, Any], None]:
+    async def submit(self, req: ReplicaRequest) -> AsyncGenerator[Block, None]:
         """Queue a request and yield its blocks; cancelling the iteration frees its slot."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
             raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
@@ -120,7 +120,7 @@ class EngineLoop:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.get("finish_reason"):
+                if item.finish_reason:
                     return
         finally:
             if self.live.pop(req.request_id, None) is not None:
@@ -257,32 +257,32 @@ class EngineLoop:
         interval_ms = (now - live.t_last) * 1e3
         if live.block_index > 0 and tokens:
             self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
-        block: dict[str, Any] = {
-            "request_id": o.req_id, "token_ids": tokens, "text": "".join(live.text), "block_index": live.block_index,
-            "k": len(tokens), "tau": o.cycle_len, "min_confidence": self.engine.seqs[o.req_id].params.min_confidence
+        block = Block(
+            request_id=o.req_id, token_ids=tokens, text="".join(live.text), block_index=live.block_index,
+            k=len(tokens), tau=o.cycle_len, min_confidence=self.engine.seqs[o.req_id].params.min_confidence
             if o.req_id in self.engine.seqs else 0.0,
-            "confidence": (min(confs), sum(confs) / len(confs), max(confs)),
-            "block_ms": interval_ms, "replica": self.replica_name,
-            "queue_ms": max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
-        }
+            confidence=(min(confs), sum(confs) / len(confs), max(confs)),
+            block_ms=interval_ms, replica=self.replica_name,
+            queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
+        )
         live.text, live.t_last = [], now
         live.block_index += 1
         seq = self.engine.seqs.get(o.req_id)
         if self.telemetry is not None:
             cut = seq is not None and seq.num_cycles_cut > live.cycles_cut
             live.cycles_cut = seq.num_cycles_cut if seq is not None else live.cycles_cut
-            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block["block_index"], cut, min(confs),
+            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block.block_index, cut, min(confs),
                                     interval_ms)
         if o.finished:
-            block["finish_reason"] = o.finish_reason or "stop"
-            block["error"] = o.error
-            block["usage"] = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.num_tokens,
-                              "blocks": live.block_index, "heads": live.num_heads,
-                              "cycles_cut": seq.num_cycles_cut if seq else 0}
+            block.finish_reason = o.finish_reason or "stop"
+            block.error = o.error
+            block.usage = Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.num_tokens,
+                                blocks=live.block_index, heads=live.num_heads,
+                                cycles_cut=seq.num_cycles_cut if seq else 0)
             self.engine.release(o.req_id)
             self.live.pop(o.req_id, None)
             if self.telemetry is not None:
-                self.telemetry.on_finish(o.req_id, block["finish_reason"], block["usage"], o.error)
+                self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
         live.queue.put_nowait(block)
 
     def _apply_controller(self) -> None:

@@ -24,11 +24,13 @@ from grpc_reflection.v1alpha import reflection
 from dmtd.serve.auth import ApiKeys, AuthInterceptor
 from dmtd.serve.convert import rechunk, to_token_block, to_variant_info
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
-from dmtd.serve.requests import InvalidRequest, Limits, ReplicaRequest, TooLarge, from_proto
-from dmtd.serve.routing import Route, Router, VariantNotFound
+from dmtd.serve.requests import InvalidRequest, Limits, TooLarge, from_proto
+from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings
 from dmtd.telemetry.gateway import GatewayTelemetry, RequestTelemetry
 from dmtd.v1 import generate_pb2 as pb
+from dmtd_contract.records import Block, ReplicaRequest
+from dmtd_contract.registry import VariantNotFound
 
 log = logging.getLogger("dmtd.gateway")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -79,11 +81,11 @@ class GatewayCore:
         return route
 
     async def stream(self, route: Route, req: ReplicaRequest, min_tokens: int = 0, flush_ms: int = 0,
-                     traceparent: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                     traceparent: str | None = None) -> AsyncIterator[Block]:
         """Blocks of one request from its replica; cancelling this iteration cancels the replica's work.
 
         The gateway span (child of ``traceparent`` when the caller sent one) travels to the replica in the
-        request dict; TTFT and per-token ITL are measured on the blocks as the client receives them."""
+        request; TTFT and per-token ITL are measured on the blocks as the client receives them."""
         self.inflight += 1
         self.accepted += 1
         rt = self.telemetry.start(route.name, req.request_id, traceparent,
@@ -93,10 +95,10 @@ class GatewayCore:
         code, error = "CANCELLED", None
         gen: Any = None
         try:
-            gen = route.handle.options(stream=True).generate.remote(req.to_dict())
+            gen = route.handle.options(stream=True).generate.remote(req)
             async for block in rechunk(self._cycles(gen, rt), min_tokens, flush_ms):
-                finished = bool(block.get("finish_reason"))
-                rt.delivered(len(block["token_ids"]))
+                finished = bool(block.finish_reason)
+                rt.delivered(len(block.token_ids))
                 yield block
             self.completed += 1
             code = "OK"
@@ -111,10 +113,10 @@ class GatewayCore:
                 gen.cancel()
 
     @staticmethod
-    async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
+    async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[Block]:
         """The replica's blocks as they arrive (one per DMTD cycle), counted before any re-chunking."""
         async for block in gen:
-            rt.cycle(block["k"], block["tau"], block.get("replica", ""))
+            rt.cycle(block.k, block.tau, block.replica)
             yield block
 
 

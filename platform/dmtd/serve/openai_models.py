@@ -19,9 +19,9 @@ from dmtd.serve.requests import (
     MAX_STOP_CHARS,
     InvalidRequest,
     Limits,
-    ReplicaRequest,
     validate,
 )
+from dmtd_contract.records import ReplicaRequest
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]

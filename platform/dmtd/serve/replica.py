@@ -20,10 +20,11 @@ from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.engine_loop import EngineLoop
 from dmtd.serve.errors import Overloaded, RequestFailed
-from dmtd.serve.requests import InvalidRequest, Limits, ReplicaRequest, check_types, validate
+from dmtd.serve.requests import InvalidRequest, Limits, check_types, validate
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.telemetry.replica import ReplicaTelemetry
+from dmtd_contract.records import Block, ReplicaRequest
 
 __all__ = ["DMTDReplica", "EngineFactory", "EngineLoop", "Overloaded", "RequestFailed"]
 log = logging.getLogger("dmtd.replica")
@@ -33,7 +34,8 @@ EngineFactory = Callable[[], tuple[LLMEngine, ControllerConfig]]
 
 
 class DMTDReplica:
-    """Hosts one engine. ``generate`` is an async generator of block dicts (one per completed cycle).
+    """Hosts one engine. ``generate`` takes a ``ReplicaRequest`` and is an async generator of ``Block`` records
+    (dmtd_contract.records; one per completed cycle).
 
     With a registry URL, the replica follows its variant's registry entry: a changed ``min_confidence``,
     τ range or ``default_tau`` is applied to the controller (and to running requests) without a restart.
@@ -83,12 +85,12 @@ class DMTDReplica:
         self.reconfigure({"tau_min": entry.tau_min, "tau_max": entry.tau_max, "default_tau": entry.default_tau,
                           "min_confidence": entry.min_confidence})
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[Block]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
+        if not isinstance(request, ReplicaRequest):
+            raise RequestFailed("request", f"request: not a replica request (got {type(request).__name__})")
         try:
-            req = validate(check_types(ReplicaRequest(**request)), self.limits)
-        except TypeError as e:
-            raise RequestFailed("request", f"request: not a replica request ({e})") from e
+            req = validate(check_types(request), self.limits)
         except InvalidRequest as e:
             raise RequestFailed(e.field, str(e)) from e
         async with contextlib.aclosing(self.loop.submit(req)) as blocks:

@@ -1,4 +1,4 @@
-"""Request validation and conversion between the wire format (protobuf), the replica's dicts and the engine.
+"""Request validation and conversion from the wire format (protobuf) into ``ReplicaRequest`` (dmtd_contract).
 
 Validation happens at the gateway, before a request takes a queue slot; every error names the field and
 the rule (it becomes gRPC ``INVALID_ARGUMENT`` / HTTP 400).
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from dmtd_contract.records import ReplicaRequest
 
 PROFILES = {0: "adaptive", 1: "quality", 2: "balanced", 3: "speed"}
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -44,33 +45,6 @@ class InvalidRequest(ValueError):
 
 class TooLarge(InvalidRequest):
     """The request as a whole exceeds a size limit (HTTP 413; gRPC INVALID_ARGUMENT)."""
-
-
-@dataclass(slots=True)
-class ReplicaRequest:
-    """What a replica needs to run one request (plain data: crosses Ray by pickling)."""
-
-    request_id: str
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
-    prompt_token_ids: list[int] | None = None
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    tau_min: int = 0
-    tau_max: int = 0
-    min_confidence: float | None = None
-    profile: str = "adaptive"
-    arrival_s: float = 0.0
-    traceparent: str = ""  # W3C trace context of the gateway span: the replica span becomes its child
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 _NUM = (int, float)

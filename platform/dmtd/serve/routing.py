@@ -1,4 +1,9 @@
-"""Variant routing for the gateway: names → replica handles, canary weights, the default variant."""
+"""Variant routing for the gateway: names → replica handles, canary weights, the default variant.
+
+The weighted draw is the registry's own (``dmtd_contract.registry.pick_weighted``), and an unknown or
+inactive variant is the registry's ``VariantNotFound``: one router, one error, whether the weights come
+from the registry or from the app's arguments.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class VariantNotFound(LookupError):
-    """No active variant of that name."""
+from dmtd_contract.registry import VariantNotFound, pick_weighted
 
 
 @dataclass(slots=True)
@@ -40,20 +43,14 @@ class Router:
             route = self.routes.get(name)
             if route is None or not route.active:
                 known = ", ".join(sorted(n for n, r in self.routes.items() if r.active)) or "none"
-                raise VariantNotFound(f"variant {name!r} is not served here (active: {known})")
+                raise VariantNotFound(name, f"variant {name!r} is not served here (active: {known})")
             return route
         active = [r for r in self.routes.values() if r.active and r.weight > 0]
         if not active:
             if self.default and self.default in self.routes:
                 return self.routes[self.default]
-            raise VariantNotFound("no active variant to route to")
-        total = sum(r.weight for r in active)
-        x = self.rng.random() * total
-        for r in active:
-            x -= r.weight
-            if x < 0:
-                return r
-        return active[-1]
+            raise VariantNotFound(None, "no active variant to route to")
+        return self.routes[pick_weighted([(r.name, r.weight) for r in active], self.rng.random())]
 
     def update(self, name: str, info: dict[str, Any], revision: int = 0) -> None:
         """Apply a registry change (status, weight, τ range …) to a served variant."""

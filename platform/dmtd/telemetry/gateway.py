@@ -12,10 +12,11 @@ from opentelemetry import trace
 
 from dmtd.telemetry.config import TelemetrySettings
 from dmtd.telemetry.instruments import Instruments
-from dmtd.telemetry.live import LiveStats, percentile
+from dmtd.telemetry.live import LiveStats
 from dmtd.telemetry.prometheus import MetricsEndpoint
 from dmtd.telemetry.tracing import Tracing, extract, inject, setup_tracing, trace_ids
 from dmtd_contract import metric_names as m
+from dmtd_contract.stats import percentile
 
 log = logging.getLogger("dmtd.gateway.requests")
 

@@ -9,13 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dmtd.telemetry.cost import usd_per_million_tokens
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+from dmtd_contract.stats import percentile
 
 
 @dataclass

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dmtd_contract.variant_schema import HeadInput, PhaseAnchor
+
 # Fields a resumed run may change without breaking exactness of what was already trained.
 RESUMABLE_CHANGES = ("max_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_records", "threads",
                      "device")
@@ -21,8 +23,8 @@ class TrainConfig(BaseModel):
     base_model: str = Field("smollm2", description="'smollm2' or a local HF directory")
     num_encoding_layers: int = Field(0, ge=0)
     num_decoding_layers: int = Field(8, ge=1)
-    phase_anchor: Literal["prompt_end", "absolute"] = "prompt_end"
-    head_input: Literal["residual_add", "replace"] = "replace"
+    phase_anchor: PhaseAnchor = "prompt_end"
+    head_input: HeadInput = "replace"
     tau_min: int = Field(2, ge=1, description="τ is drawn per sequence from tau_min..tau_max (equal = fixed τ)")
     tau_max: int = Field(4, ge=1, le=16)
     phase_jitter: bool = Field(True, description="draw the first cycle after the prompt from 1..τ, as the "

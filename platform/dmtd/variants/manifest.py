@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dmtd.engine.config import DMTDConfig
+from dmtd_contract.variant_schema import HeadInput, PhaseAnchor
 
 MANIFEST_NAME = "variant.json"
 
@@ -35,8 +36,8 @@ class VariantManifest(BaseModel):
     tau_max: int = Field(4, ge=1, le=16, description="Largest cycle length the variant serves")
     default_tau: int = Field(3, ge=1, description="τ used when a request does not ask")
     min_confidence: float = Field(0.0, ge=0.0, le=1.0, description="Default confidence gate")
-    phase_anchor: Literal["prompt_end", "absolute"] = "prompt_end"
-    head_input: Literal["residual_add", "replace"] = "replace"
+    phase_anchor: PhaseAnchor = "prompt_end"
+    head_input: HeadInput = "replace"
     description: str = ""
     base_fingerprint: str | None = Field(None, description="SHA-256 over the base model's tensors "
                                          "(dmtd.variants.manifest.base_fingerprint); None = not checked")

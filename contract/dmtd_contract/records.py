@@ -1,0 +1,72 @@
+"""The records that cross the Ray hop between the gateway and a replica: plain dataclasses, pickled by Ray.
+
+* ``ReplicaRequest``: what a replica needs to run one request (the gateway validates it first; the replica
+  checks every field's type again, since it may be called past the gateway).
+* ``Block``: what a replica streams back, one per completed DMTD cycle; the last one carries
+  ``finish_reason`` and ``usage``.
+
+Every field has a default, so a field added later (the proto grows) is an addition here, not a change of
+every constructor call. No dicts cross the hop for requests or blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class ReplicaRequest:
+    """What a replica needs to run one request."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    tau_min: int = 0
+    tau_max: int = 0
+    min_confidence: float | None = None
+    profile: str = "adaptive"
+    arrival_s: float = 0.0
+    traceparent: str = ""  # W3C trace context of the gateway span: the replica span becomes its child
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token accounting of a finished request (the last block's)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    blocks: int = 0
+    heads: int = 0
+    cycles_cut: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Block:
+    """One block of a stream: the tokens of one DMTD cycle (k of them at τ = ``tau``) and its text delta."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # UTF-8-safe delta since the previous block
+    block_index: int = 0
+    k: int = 0
+    tau: int = 1
+    min_confidence: float = 0.0  # gate in force
+    confidence: tuple[float, float, float] = (0.0, 0.0, 0.0)  # min, mean, max top-1 probability
+    block_ms: float = 0.0
+    queue_ms: float = 0.0  # first block only: admission wait at the replica
+    replica: str = ""
+    finish_reason: str | None = None  # last block only: stop / length / abort / error
+    error: str | None = None
+    usage: Usage | None = None  # last block only
