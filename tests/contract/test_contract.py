@@ -37,10 +37,11 @@ def test_records_survive_pickling_and_every_field_has_a_default() -> None:
         assert len(no_default) == required, (record.__name__, no_default)
 
 
-def test_percentile_is_the_upper_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 0.95) == 96.0 and percentile(values, 0.5) == 51.0
-    assert percentile([], 0.95) == 0.0 and percentile([3.0], 0.99) == 3.0 and percentile(values, 1.0) == 100.0
+def test_percentile_is_the_nearest_rank() -> None:
+    values = [float(v) for v in range(100, 0, -1)]  # order does not matter
+    assert percentile(values, 0.95) == 95.0 and percentile(values, 0.5) == 50.0 and percentile(values, 0.951) == 96.0
+    assert percentile([], 0.95) == 0.0 and percentile([3.0], 0.99) == 3.0
+    assert percentile(values, 1.0) == 100.0 and percentile(values, 0.0) == 1.0
 
 
 def test_one_variant_schema_for_engine_manifest_and_registry() -> None:

@@ -6,6 +6,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from dmtd_contract.stats import percentile
 from dmtd_operator.metrics import MetricsWindow
 from dmtd_operator.sim.controllers import Controller
 from dmtd_operator.sim.model import Cluster, ReplicaModel, StepOutcome
@@ -53,11 +54,6 @@ class RunSummary:
         }
 
 
-def _p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
-
-
 def window_of(steps: deque[tuple[float, StepOutcome]], dt_s: float, tau: int) -> MetricsWindow:
     """What Prometheus would report over the buffered steps."""
     outs = [o for _, o in steps]
@@ -66,8 +62,8 @@ def window_of(steps: deque[tuple[float, StepOutcome]], dt_s: float, tau: int) ->
     itls = [min(o.itl_p95_ms, HELD_MS) for o in finite] or [0.0]
     return MetricsWindow(
         window_s=len(outs) * dt_s,
-        ttft_p95_ms=_p95(ttfts),
-        itl_p95_ms=_p95(itls),
+        ttft_p95_ms=percentile(ttfts, 0.95),
+        itl_p95_ms=percentile(itls, 0.95),
         queue_depth=outs[-1].queue_requests,
         gpu_util=sum(o.gpu_util for o in outs) / len(outs),
         tok_s=sum(o.served_tok_s for o in outs) / len(outs),
