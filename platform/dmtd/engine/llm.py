@@ -199,8 +199,10 @@ class LLMEngine:
             return []
         if out.is_prefill:
             results = self._sampled(out, self._timed("prefill", self.runner.prefill, out.prefill))
+            conf = {o.req_id: o.confidence for o in results}
             for s in out.prefill:
-                s.draft_done = s.params.exact and s.max_drafts(self.cfg.max_model_len) == 0
+                s.draft_done = s.params.exact and (s.max_drafts(self.cfg.max_model_len) == 0
+                                                   or conf.get(s.req_id, 1.0) < s.params.min_confidence)
             return results
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
