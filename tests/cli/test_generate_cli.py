@@ -110,3 +110,4 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
             assert 1.0 < row["bound_speedup"] < 2.0
     assert data["machine"]["matvec_gb_s"] > 0
     assert path.with_suffix(".png").stat().st_size > 10_000
+    assert path.with_name(path.stem + "_exact.png").stat().st_size > 10_000

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, run_exact
+from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, run_exact
 from dmtd.bench.roofline import bound_tok_s, measure_rates
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
@@ -114,6 +114,10 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         plot_path = Path(args.plot) if args.plot else path.with_suffix(".png")
         plot(result, plot_path)
         print(f"wrote {path} and {plot_path}")
+        if exact_rows:
+            exact_png = plot_path.with_name(plot_path.stem + "_exact.png")
+            plot_exact(result["exact"], exact_png)
+            print(f"wrote {exact_png}")
     return result
 
 
