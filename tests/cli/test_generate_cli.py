@@ -96,7 +96,7 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
     data = json.loads(path.read_text())
     exact = data["exact"]
     assert exact["variant"]["verifier"] == "base"
-    want = {(b, s) for b in (1, 2) for s in ("exact1", "exact2")}
+    want = {(b, s) for b in (1, 2) for s in ("exact1", "exact2", "auto4")}
     assert {(row["batch"], row["system"]) for row in exact["rows"]} == want
     for row in exact["rows"]:
         assert row["tok_s"] > 0 and 0 < row["pct_of_bound"] <= 1.0 and row["check_cost"] > 0
