@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +46,8 @@ class CorpusConfig(BaseModel):
     held_out_fraction: float = Field(ge=0.0, lt=1.0)
     shard_size: int = Field(ge=1, description="records per shard (one batched engine call)")
     batch_size: int = Field(ge=1, description="engine max_num_seqs (part of the config: it fixes the numerics)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the engine's weights and activations "
+                                                  "while generating (part of the numerics)")
     limit: int | None = Field(None, ge=1, description="stop after this many records, rounded up to whole shards; "
                               "raising it later extends the same corpus")
 
