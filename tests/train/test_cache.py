@@ -152,3 +152,23 @@ def test_cli_cache_bench_and_curve(tiny_dir: Path, tiny_corpus_dir: Path, tmp_pa
     assert (tmp_path / "run" / "curve.png").is_file()
     r = dmtd("train", "--run-dir", str(tmp_path / "run"), "--plot", str(tmp_path / "c.png"))
     assert r.returncode == 0 and (tmp_path / "c.png").stat().st_size > 1000
+    r = dmtd("data", "--out", str(tmp_path / "snap"), "--snapshot-of", str(corpus), "--shards", "2")
+    assert r.returncode == 0 and "snapshot of 2 shards" in r.stdout
+    r = dmtd("data", "--out", str(tmp_path / "snap3"), "--snapshot-of", str(corpus), "--shards", "0")
+    assert r.returncode == 2 and "--shards must lie in 1..4" in r.stderr
+
+
+def test_snapshot_of_a_growing_corpus_is_served_by_its_cache(tiny_dir: Path, tiny_corpus_dir: Path,
+                                                              exact_cache: Path, tmp_path: Path):
+    from dmtd.train.corpus import CorpusError, load_corpus, snapshot_corpus
+
+    snap = snapshot_corpus(tiny_corpus_dir, tmp_path / "snap", 2)
+    full = load_corpus(tiny_corpus_dir)
+    assert [s.name for s in snap.shards] == ["shard-00000.jsonl", "shard-00001.jsonl"] and not snap.complete
+    assert load_corpus(tmp_path / "snap").records == full.records[: sum(s.num_records for s in snap.shards)]
+    cfg = train_config(tiny_dir, tmp_path / "snap", cache=str(exact_cache), max_steps=2)
+    assert Trainer(cfg, tmp_path / "run", progress=False).run().step == 2
+    with pytest.raises(CorpusError, match="--shards must lie in 1..4"):
+        snapshot_corpus(tiny_corpus_dir, tmp_path / "snap2", 9)
+    with pytest.raises(CorpusError, match="not empty"):
+        snapshot_corpus(tiny_corpus_dir, tmp_path / "snap", 1)

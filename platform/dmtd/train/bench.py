@@ -21,10 +21,8 @@ from dmtd.train.config import TrainConfig
 from dmtd.train.trainer import Trainer
 
 
-def _rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    num = sum(float((a[n].detach() - b[n].detach()).float().norm() ** 2) for n in a)
-    den = sum(float(a[n].detach().float().norm() ** 2) for n in a)
-    return (num / max(den, 1e-30)) ** 0.5
+def _dist(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return sum(float((a[n].detach() - b[n].detach()).float().norm() ** 2) for n in a) ** 0.5
 
 
 def bench_train(cfg: TrainConfig, steps: int, json_path: Path | None = None) -> dict[str, Any]:
@@ -36,6 +34,7 @@ def bench_train(cfg: TrainConfig, steps: int, json_path: Path | None = None) -> 
         open_s = time.perf_counter() - t0
         assert cac.cache is not None
         start = unc.state.step
+        w0 = {n: p.detach().clone() for n, p in unc.params.items()}
         load = {"before": os.getloadavg()[0]}
         rows: list[dict[str, float]] = []
         for i in range(start, start + steps + 1):
@@ -63,7 +62,9 @@ def bench_train(cfg: TrainConfig, steps: int, json_path: Path | None = None) -> 
         res["ratio"] = round(res["cached"]["tok_s"] / res["uncached"]["tok_s"], 2)
         res["max_rel_loss_diff"] = max(abs(r["cached_loss"] - r["uncached_loss"]) / max(abs(r["uncached_loss"]), 1e-12)
                                        for r in rows)
-        res["param_rel_diff"] = _rel_diff(unc.params, cac.params)
+        zero = {n: torch.zeros_like(p) for n, p in w0.items()}
+        res["param_rel_diff"] = _dist(unc.params, cac.params) / max(_dist(w0, zero), 1e-30)
+        res["param_diff_over_update"] = _dist(unc.params, cac.params) / max(_dist(unc.params, w0), 1e-30)
         res["rows"] = rows
     print(f"train bench, {steps} steps × {cfg.batch_size}×{cfg.grad_accum} sequences ({tokens:.0f} tokens), "
           f"{res['threads']} threads, load {load['before']:.1f}→{load['after']:.1f}:")

@@ -45,6 +45,9 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=96, help="records per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=24, help="sequences generated together")
     p.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    p.add_argument("--snapshot-of", type=Path, default=None,
+                   help="instead of generating: make --out a fixed corpus from the finished shards of this one")
+    p.add_argument("--shards", type=int, default=None, help="with --snapshot-of: how many shards (default all)")
 
 
 def run_data(args: argparse.Namespace) -> int:
@@ -58,6 +61,13 @@ def run_data(args: argparse.Namespace) -> int:
     from dmtd.variants.build import build_engine, engine_spec
     from dmtd.variants.manifest import base_fingerprint
 
+    if args.snapshot_of is not None:
+        from dmtd.train.corpus import snapshot_corpus
+
+        snap = snapshot_corpus(args.snapshot_of, args.out, args.shards)
+        print(f"corpus {args.out}: snapshot of {len(snap.shards)} shards of {args.snapshot_of}, {snap.num_tokens} "
+              f"tokens, content hash {snap.content_hash}")
+        return 0
     builtin = wide_prompts() if args.prompt_set == "wide" else builtin_prompts()
     prompts: list = [] if args.no_builtin else list(builtin)
     if args.prompts is not None:

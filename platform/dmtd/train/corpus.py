@@ -229,3 +229,33 @@ def load_corpus(root: Path, require_complete: bool = False, vocab_size: int | No
                 raise CorpusError(f"corpus {str(root)!r}: record {r.idx} has token ids outside the base "
                                   f"model's vocabulary of {vocab_size} (made for another model?)")
     return Corpus(root, m, records)
+
+
+def snapshot_corpus(src: Path, dst: Path, num_shards: int | None = None) -> CorpusManifest:
+    """A fixed corpus from the first ``num_shards`` finished shards of ``src`` (all when None), hard-linked.
+
+    A run needs a corpus that does not change under it (its content hash is checked at every resume);
+    a snapshot of a corpus still being generated is one. Teacher caches of ``src`` serve it as they are
+    (pass their directory to ``--cache``): their entries are per shard.
+    """
+    import shutil
+
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    m = read_manifest(src)
+    n = len(m.shards) if num_shards is None else num_shards
+    if not 1 <= n <= len(m.shards):
+        raise CorpusError(f"--shards must lie in 1..{len(m.shards)} (the finished shards of {src}), got {n}")
+    if dst.exists() and any(dst.iterdir()):
+        raise CorpusError(f"{dst} exists and is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+    for s in m.shards[:n]:
+        if sha256_bytes((src / s.name).read_bytes()) != s.sha256:
+            raise CorpusError(f"corpus {str(src)!r}: shard {s.name} is corrupted (SHA-256 mismatch)")
+        try:
+            os.link(src / s.name, dst / s.name)
+        except OSError:
+            shutil.copyfile(src / s.name, dst / s.name)
+    snap = m.model_copy(update={"shards": m.shards[:n], "complete": m.complete and n == len(m.shards)})
+    write_manifest(dst, snap)
+    return snap
+
