@@ -265,6 +265,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_train(args)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from dmtd.train.commands import run_cache
+
+    return run_cache(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from dmtd.train.commands import run_eval
 
@@ -321,11 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     from dmtd.registry.cli import add_variants_parser
 
     add_variants_parser(sub)
-    from dmtd.train.commands import add_data_args, add_eval_args, add_train_args
+    from dmtd.train.commands import add_cache_args, add_data_args, add_eval_args, add_train_args
 
     d = sub.add_parser("data", help="make a self-distillation corpus with the base model (resumable)")
     add_data_args(d)
     d.set_defaults(func=cmd_data)
+    k = sub.add_parser("cache", help="precompute a corpus's frozen-trunk states and teacher top-k targets (resumable)")
+    add_cache_args(k)
+    k.set_defaults(func=cmd_cache)
     t = sub.add_parser("train", help="cyclical-masking fine-tuning into a DMTD variant (resumable)")
     add_train_args(t)
     t.set_defaults(func=cmd_train)

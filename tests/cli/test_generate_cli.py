@@ -96,8 +96,8 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
     data = json.loads(path.read_text())
     exact = data["exact"]
     assert exact["variant"]["verifier"] == "base"
-    assert {(row["batch"], row["system"]) for row in exact["rows"]} == {
-        (b, s) for b in (1, 2) for s in ("exact1", "exact2")}
+    want = {(b, s) for b in (1, 2) for s in ("exact1", "exact2", "auto4")}
+    assert {(row["batch"], row["system"]) for row in exact["rows"]} == want
     for row in exact["rows"]:
         assert row["tok_s"] > 0 and 0 < row["pct_of_bound"] <= 1.0 and row["check_cost"] > 0
         if row["system"] == "exact2":
@@ -110,3 +110,4 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
             assert 1.0 < row["bound_speedup"] < 2.0
     assert data["machine"]["matvec_gb_s"] > 0
     assert path.with_suffix(".png").stat().st_size > 10_000
+    assert path.with_name(path.stem + "_exact.png").stat().st_size > 10_000

@@ -44,3 +44,19 @@ def test_exact_greedy_tokens_equal_the_base_at_tau1_on_20_chat_prompts(engines, 
     # comes from the verifier, not from a variant that happens to agree
     own = variant.generate(prompts[:6], SamplingParams(max_new_tokens=40, cycle_len=1))
     assert [r.token_ids for r in own] != [r.token_ids for r in ref[:6]]
+
+
+def test_manifest_verifier_must_match_what_the_tensors_make(tmp_path):
+    import json
+    import shutil
+
+    from dmtd.variants.manifest import ManifestError
+
+    root = tmp_path / "v"
+    shutil.copytree(SHIPPED_VARIANTS / "smollm2-135m-dmtd", root)
+    data = json.loads((root / "variant.json").read_text())
+    assert data["verifier"] == "base"
+    data["verifier"] = "variant"
+    (root / "variant.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="verifier is 'variant' in the manifest"):
+        engine_spec(None, str(root))

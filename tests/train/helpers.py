@@ -76,3 +76,17 @@ def train_config(model_dir: Path, corpus: Path, **kw: object) -> TrainConfig:
                 checkpoint_every=2, keep_checkpoints=5)
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def tiny_cache(model_dir: Path, corpus: Path, top_k: int = 97, hidden_dtype: str = "float32",
+               num_decoding_layers: int = 2, num_encoding_layers: int = 0, out: Path | None = None) -> Path:
+    """A teacher cache of a tiny corpus (by default exact: every token id, fp32 states)."""
+    from dmtd.train.cache import CacheSpec, build_cache
+    from dmtd.train.student import DMTDStudent
+    from dmtd.train.trainer import dmtd_of_split
+
+    loaded = load_model(model_dir, tokenizer=False)
+    d = dmtd_of_split(num_encoding_layers, num_decoding_layers, loaded.config.num_layers)
+    spec = CacheSpec(num_encoding_layers, num_decoding_layers, top_k, hidden_dtype)  # type: ignore[arg-type]
+    return build_cache(corpus, DMTDStudent(loaded.model, d, "decoding"), spec, base_fingerprint(model_dir), out,
+                       progress=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -108,3 +109,22 @@ def test_user_prompt_files(tmp_path: Path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(CorpusError, match="bad.jsonl:1"):
         load_user_prompts(tmp_path / "bad.jsonl")
+
+
+def test_wide_prompts_are_thousands_varied_stable_and_start_with_v1():
+    from dmtd.train.prompts_wide import wide_prompts
+
+    p = wide_prompts()
+    v1 = builtin_prompts()
+    assert len(p) >= 4000 and p[: len(v1)] == v1 and p == wide_prompts()
+    keys = [x if isinstance(x, str) else json.dumps(x) for x in p]
+    assert len(set(keys)) == len(keys)
+    convs = [x for x in p if isinstance(x, list)]
+    assert len(convs) >= 300 and all(m["role"] in ("system", "user", "assistant") and m["content"] for c in convs
+                                     for m in c)
+    assert any(len(c) == 3 and c[1]["role"] == "assistant" for c in convs)  # multi-turn
+    assert any(c[0]["role"] == "system" for c in convs)  # personas
+    text = [x for x in p if isinstance(x, str)]
+    for needle in ("essay of about 400 words", "step-by-step guide", "Write a Rust function", "SQL query",
+                   "unit tests", "Find and fix the bug", "numbered list", "Solve for x"):
+        assert any(needle in x for x in text), needle

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, run_exact
+from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, run_exact
 from dmtd.bench.roofline import bound_tok_s, measure_rates
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
@@ -114,6 +114,10 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         plot_path = Path(args.plot) if args.plot else path.with_suffix(".png")
         plot(result, plot_path)
         print(f"wrote {path} and {plot_path}")
+        if exact_rows:
+            exact_png = plot_path.with_name(plot_path.stem + "_exact.png")
+            plot_exact(result["exact"], exact_png)
+            print(f"wrote {exact_png}")
     return result
 
 
@@ -130,12 +134,16 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     spec = engine_spec(args.model, name, search_dirs=[SHIPPED_VARIANTS])
     threshold = spec.min_confidence if args.draft_threshold is None else args.draft_threshold
     engine = build_engine(spec, EngineConfig(max_num_seqs=max(batches), max_model_len=1024))
-    engine.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, cycle_len=2, exact=True))  # warm-up
+    auto = build_engine(spec, EngineConfig(max_num_seqs=max(batches), max_model_len=1024, adaptive_drafts=True))
+    for e in (engine, auto):
+        e.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, cycle_len=2, exact=True))  # warm-up
     rows = []
-    jobs = [(b, t) for b in batches for t in [1, *taus]]
-    for b, tau in tqdm(jobs, desc="bench engine (exact)", unit="config"):
-        r = run_exact(engine, b, tau, threshold, args.new_tokens, args.repeats)
-        rows.append({"batch": b, "system": f"exact{tau}", "tau": tau, **r})
+    tau_auto = max(taus + [spec.dmtd.tau_max])
+    jobs = [(b, t, False) for b in batches for t in [1, *taus]] + [(b, tau_auto, True) for b in batches]
+    for b, tau, adaptive in tqdm(jobs, desc="bench engine (exact)", unit="config"):
+        r = run_exact(auto if adaptive else engine, b, tau, threshold, args.new_tokens, args.repeats)
+        rows.append({"batch": b, "system": f"auto{tau}" if adaptive else f"exact{tau}", "tau": tau,
+                     "adaptive_drafts": adaptive, **r})
     add_exact_ratios(rows)
     return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None}
 

@@ -66,9 +66,36 @@ def run_exact(engine: LLMEngine, batch: int, tau: int, threshold: float, new_tok
 def add_exact_ratios(rows: list[dict[str, Any]]) -> None:
     """Speedups over the verifier alone (τ = 1) and the bound given the measured acceptance and pass costs."""
     for r in rows:
-        base = next(x for x in rows if x["batch"] == r["batch"] and x["tau"] == 1)
+        base = next(x for x in rows if x["batch"] == r["batch"] and x["system"] == "exact1")
         r["speedup_vs_tau1"] = r["tok_s"] / base["tok_s"]
         r["bound_speedup"] = r["bound_tok_s"] / base["bound_tok_s"]
         step = base["verify_s_per_call"]  # one τ = 1 step of the verifier at this batch
         r["tail_cost"] = r["draft_s_per_call"] / step if r["tau"] > 1 else None
         r["check_cost"] = r["verify_s_per_call"] / step
+
+
+def plot_exact(exact: dict[str, Any], path: Any) -> None:
+    """Speedup over the verifier alone, measured and bound (given the measured acceptance), per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = exact["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        sel = [r for r in rows if r["batch"] == b]
+        xs = range(len(sel))
+        ax.bar(xs, [r["speedup_vs_tau1"] for r in sel], color="#2f9e6e", label="measured")
+        ax.plot(xs, [r["bound_speedup"] for r in sel], "k_", markersize=22, mew=2, label="bound given acceptance")
+        ax.set_xticks(list(xs), [r["system"].replace("exact", "τ=") + (f"\nacc {r['acceptance']:.2f}"
+                                                                        if r["acceptance"] else "") for r in sel])
+        ax.set_title(f"batch {b}")
+        ax.set_ylabel("tokens/s × the base alone (τ = 1)")
+        ax.axhline(1.0, color="grey", lw=0.5)
+    axes[0][0].legend(loc="upper left")
+    fig.suptitle(f"exact profile on {exact['variant']['name']} (output = the {exact['variant']['verifier']} model's)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

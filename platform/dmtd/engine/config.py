@@ -188,6 +188,7 @@ class EngineConfig:
     dtype: str = "float32"
     max_prefill_tokens: int = 4096
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
+    adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

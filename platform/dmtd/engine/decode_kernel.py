@@ -1,4 +1,4 @@
-"""The decode hot loop (one new position per row) compiled with TorchScript.
+"""The decode hot loop (one new position per row, or a short chunk of one sequence) compiled with TorchScript.
 
 Decoding on CPU is bound by weight reads plus a fixed cost per tensor op; run from Python, that fixed
 cost is ~2–3 µs per op × ~45 ops per layer. TorchScript runs the same ops from its C++ interpreter and
@@ -28,7 +28,7 @@ def _decode_layers(
     cos: torch.Tensor, sin: torch.Tensor,  # [B, hd] (sin is the signed table)
     slots: torch.Tensor, pos: torch.Tensor,  # [B] int64
     slot_lo: int, contiguous: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045 — [B, read_len] bool
-    nh: int, nkv: int, hd: int, eps: float,
+    nh: int, nkv: int, hd: int, eps: float, shared: bool = False,  # shared: every row is a position of slot_lo
 ) -> torch.Tensor:
     B = h.shape[0]
     g = nh // nkv
@@ -55,6 +55,11 @@ def _decode_layers(
         if one:
             kc[i][s0, :, p0] = k[0]
             vc[i][s0, :, p0] = v[0]
+            keys = kc[i][s0: s0 + 1, :, :read_len]
+            vals = vc[i][s0: s0 + 1, :, :read_len]
+        elif shared:  # consecutive positions of one sequence (a verify or draft chunk): keys broadcast
+            kc[i][s0, :, pos] = k.transpose(0, 1)
+            vc[i][s0, :, pos] = v.transpose(0, 1)
             keys = kc[i][s0: s0 + 1, :, :read_len]
             vals = vc[i][s0: s0 + 1, :, :read_len]
         else:

@@ -14,6 +14,7 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.draft_policy import PassCosts, best_num_drafts
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -120,6 +121,7 @@ class LLMEngine:
         self._gens: dict[str, torch.Generator | None] = {}
         self._draft_q: dict[str, list[torch.Tensor | None]] = {}
         self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
+        self.pass_costs = PassCosts()  # what the draft policy learns of this machine
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -199,8 +201,12 @@ class LLMEngine:
             return []
         if out.is_prefill:
             results = self._sampled(out, self._timed("prefill", self.runner.prefill, out.prefill))
+            conf = {o.req_id: o.confidence for o in results}
             for s in out.prefill:
-                s.draft_done = s.params.exact and s.max_drafts(self.cfg.max_model_len) == 0
+                if s.params.exact:
+                    self._choose_drafts(s)
+                    s.draft_done = (s.max_drafts(self.cfg.max_model_len) == 0
+                                    or conf.get(s.req_id, 1.0) < s.params.min_confidence)
             return results
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
@@ -236,6 +242,19 @@ class LLMEngine:
             results.append(self._to_output(ev))
         return results
 
+    def _choose_drafts(self, seq: Sequence) -> None:
+        """With ``adaptive_drafts``: the next cycle's draft count, from this request's acceptance so far and the
+        measured pass costs (a plain base step when no count pays); every 8th cycle drafts τ − 1 to keep
+        measuring."""
+        if not self.cfg.adaptive_drafts:
+            return
+        seq.draft_target = None
+        explore = (seq.num_heads + 1) % 8 == 0
+        if not explore:
+            seq.draft_target = best_num_drafts(seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running),
+                                               self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
+        seq.draft_done = seq.draft_done or seq.max_drafts(self.cfg.max_model_len) == 0
+
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
         for s in seqs:
@@ -247,7 +266,10 @@ class LLMEngine:
 
     def _draft(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A tail step of verified cycles: one draft per row, nothing emitted."""
-        d = pick_drafts(self._timed("draft", self.runner.draft, seqs), self.runner.draft_ids, [s.params for s in seqs],
+        t = time.perf_counter()
+        logits = self._timed("draft", self.runner.draft, seqs)
+        self.pass_costs.observe_draft(len(seqs), time.perf_counter() - t)
+        d = pick_drafts(logits, self.runner.draft_ids, [s.params for s in seqs],
                         [self._gens.get(s.req_id) for s in seqs])
         results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
         keep = [i for i, ok in enumerate(d.finite) if ok]
@@ -259,8 +281,10 @@ class LLMEngine:
 
     def _check(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A head of verified cycles: check every row's drafts and emit its block."""
+        t = time.perf_counter()
         logits = self._timed("verify", self.runner.verify, seqs)
         R = logits.shape[1]
+        self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - t)
         results: list[StepOutput] = []
         for i, s in enumerate(seqs):
             m = len(s.drafts)
@@ -271,6 +295,7 @@ class LLMEngine:
                 continue
             generated = s.num_generated
             events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)
+            self._choose_drafts(s)
             for j, ev in enumerate(events):
                 o = self._to_output(ev)
                 results.append(o)

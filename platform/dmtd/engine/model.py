@@ -229,18 +229,21 @@ class Transformer(nn.Module):
             return h
         cfg, ws = self.config, weights[start:end]
         lo, contiguous = (ctx.slot_range[0], True) if ctx.slot_range is not None else (0, False)
-        mask = None if ctx.attn_mask is None else ctx.attn_mask.view(h.shape[0], ctx.read_len)
+        shared = h.shape[0] == 1 and h.shape[1] > 1  # a chunk of one sequence: its positions become the rows
+        rows = h.shape[1] if shared else h.shape[0]
+        mask = None if ctx.attn_mask is None else ctx.attn_mask.reshape(rows, ctx.read_len)
+        cos, sin = (ctx.cos[0, 0], ctx.sin[0, 0]) if shared else (ctx.cos[:, 0, 0], ctx.sin[:, 0, 0])
         out = decode_layers(
-            h[:, 0], [w.ln1 for w in ws], [w.qkv for w in ws],
+            h[0] if shared else h[:, 0], [w.ln1 for w in ws], [w.qkv for w in ws],
             None if ws[0].qkv_bias is None else [w.qkv_bias for w in ws],
             None if ws[0].q_norm is None else [w.q_norm for w in ws],
             None if ws[0].k_norm is None else [w.k_norm for w in ws],
             [w.o for w in ws], [w.ln2 for w in ws], [w.gate_up for w in ws], [w.down for w in ws],
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
-            ctx.cos[:, 0, 0], ctx.sin[:, 0, 0], ctx.slots, ctx.write_pos, lo, contiguous, ctx.read_len, mask,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
+            mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared,
         )
-        return out.unsqueeze(1)
+        return out.unsqueeze(0) if shared else out.unsqueeze(1)
 
     def prepare_inference(self) -> Transformer:
         """Frozen-weights setup for the engine: an input-major copy of tied embeddings for the lm_head."""
@@ -268,7 +271,8 @@ class Transformer(nn.Module):
         """Layers ``start..end`` over ``h``; ``weights`` overrides the model's own (a verifier's path)."""
         cfg = self.config
         weights = weights if weights is not None else self.layer_weights()
-        if ctx is not None and caches is not None and h.shape[1] == 1 and not torch.is_grad_enabled():
+        if ctx is not None and caches is not None and not torch.is_grad_enabled() and (
+                h.shape[1] == 1 or (h.shape[0] == 1 and h.shape[1] <= 16 and ctx.write_rows is None)):
             return self._decode_kernel(h, start, end, caches, ctx, weights)
         for i in range(start, end):
             h = layer_forward(weights[i], cfg, h, cos, sin, None if caches is None else caches[i], ctx)

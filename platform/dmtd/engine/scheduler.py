@@ -183,6 +183,7 @@ class Scheduler:
                             confidences: list[float], eos_ids: set[int]) -> list[TokenEvent]:
         """Apply one head's check (verified cycles): emit the accepted drafts and the verifier's token as
         one block, and roll back the rest — the rejected positions' KV is rewritten before it is read again.
+        A verifier token below ``min_confidence`` skips the next cycle's drafting (its head comes next).
         """
         m = len(seq.drafts)
         head = seq.position + num_accepted  # the position whose verifier logits gave the last token
@@ -216,7 +217,9 @@ class Scheduler:
                 events.append(ev)
                 break
             events.append(ev)
-        seq.draft_done = seq.max_drafts(self.max_model_len) == 0
+        # as in the gate: an uncertain verifier token foretells a rejected draft, so the next head comes at once
+        uncertain = confidences[len(events) - 1] < seq.params.min_confidence
+        seq.draft_done = seq.max_drafts(self.max_model_len) == 0 or uncertain
         return events
 
     @staticmethod

@@ -94,6 +94,7 @@ class Sequence:
     num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
     num_drafted: int = 0
     num_accepted: int = 0
+    draft_target: int | None = None  # this cycle's draft count chosen by the engine's policy (None: τ − 1)
     drafted_by_pos: list[int] = field(default_factory=list)  # per tail position within a cycle
     accepted_by_pos: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -133,7 +134,8 @@ class Sequence:
     def max_drafts(self, max_model_len: int) -> int:
         """Drafts worth making this cycle: τ − 1, bounded so the check fits the budget and the context."""
         left = self.params.max_new_tokens - self.num_generated
-        return max(0, min(self.cycle_len - 1, left - 1, max_model_len - len(self.token_ids)))
+        most = self.cycle_len - 1 if self.draft_target is None else min(self.cycle_len - 1, self.draft_target)
+        return max(0, min(most, left - 1, max_model_len - len(self.token_ids)))
 
     @property
     def generated_ids(self) -> list[int]:

@@ -8,9 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dmtd_contract.variant_schema import HeadInput, PhaseAnchor
 
-# Fields a resumed run may change without breaking exactness of what was already trained.
+# Fields a resumed run may change without breaking exactness of what was already trained (``cache``: its
+# path may move; its content is checked against the checkpoint's cache hash).
 RESUMABLE_CHANGES = ("max_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_records", "threads",
-                     "device")
+                     "device", "cache")
 
 
 class TrainConfig(BaseModel):
@@ -56,6 +57,9 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = Field(3, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between held-out agreement checks (0 = off)")
     eval_records: int = Field(16, ge=1)
+    cache: str | None = Field(None, description="teacher cache directory made by `dmtd cache` (or 'auto': the "
+                              "corpus's default one): train from the cached trunk states and top-k teacher "
+                              "targets; needs a frozen trunk (scope decoding)")
     init_from: str | None = Field(None, description="start from the trained tensors of this checkpoint "
                                   "(e.g. to continue a run on a grown corpus); optimizer and step start fresh")
     device: str | None = Field(None, description="'cpu', 'cuda', … (None = cuda when present); exact resume "
@@ -68,6 +72,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"tau_min ({self.tau_min}) must be <= tau_max ({self.tau_max})")
         if self.kl_weight == 0 and self.ce_weight == 0:
             raise ValueError("kl_weight and ce_weight cannot both be 0")
+        if self.cache is not None and self.scope != "decoding":
+            raise ValueError(f"cache needs scope 'decoding' (a frozen trunk), not {self.scope!r}")
         if self.head_weight == 0 and self.tail_weight == 0:
             raise ValueError("head_weight and tail_weight cannot both be 0")
         return self

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +46,8 @@ class CorpusConfig(BaseModel):
     held_out_fraction: float = Field(ge=0.0, lt=1.0)
     shard_size: int = Field(ge=1, description="records per shard (one batched engine call)")
     batch_size: int = Field(ge=1, description="engine max_num_seqs (part of the config: it fixes the numerics)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the engine's weights and activations "
+                                                  "while generating (part of the numerics)")
     limit: int | None = Field(None, ge=1, description="stop after this many records, rounded up to whole shards; "
                               "raising it later extends the same corpus")
 
@@ -226,3 +229,33 @@ def load_corpus(root: Path, require_complete: bool = False, vocab_size: int | No
                 raise CorpusError(f"corpus {str(root)!r}: record {r.idx} has token ids outside the base "
                                   f"model's vocabulary of {vocab_size} (made for another model?)")
     return Corpus(root, m, records)
+
+
+def snapshot_corpus(src: Path, dst: Path, num_shards: int | None = None) -> CorpusManifest:
+    """A fixed corpus from the first ``num_shards`` finished shards of ``src`` (all when None), hard-linked.
+
+    A run needs a corpus that does not change under it (its content hash is checked at every resume);
+    a snapshot of a corpus still being generated is one. Teacher caches of ``src`` serve it as they are
+    (pass their directory to ``--cache``): their entries are per shard.
+    """
+    import shutil
+
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    m = read_manifest(src)
+    n = len(m.shards) if num_shards is None else num_shards
+    if not 1 <= n <= len(m.shards):
+        raise CorpusError(f"--shards must lie in 1..{len(m.shards)} (the finished shards of {src}), got {n}")
+    if dst.exists() and any(dst.iterdir()):
+        raise CorpusError(f"{dst} exists and is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+    for s in m.shards[:n]:
+        if sha256_bytes((src / s.name).read_bytes()) != s.sha256:
+            raise CorpusError(f"corpus {str(src)!r}: shard {s.name} is corrupted (SHA-256 mismatch)")
+        try:
+            os.link(src / s.name, dst / s.name)
+        except OSError:
+            shutil.copyfile(src / s.name, dst / s.name)
+    snap = m.model_copy(update={"shards": m.shards[:n], "complete": m.complete and n == len(m.shards)})
+    write_manifest(dst, snap)
+    return snap
+

@@ -97,5 +97,5 @@ def write_draft_vocab(mpath: Path, manifest: VariantManifest, ids: list[int], co
     data.update(draft_vocab=FILE_NAME, draft_vocab_sha256=sha256_file(path))
     new = VariantManifest.model_validate(data)
     tmp = mpath.with_name(f".{mpath.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(new.model_dump(mode="json", exclude_none=True), indent=2) + "\n")
+    tmp.write_text(json.dumps(new.model_dump(mode="json", exclude_none=True), indent=1) + "\n")
     os.replace(tmp, mpath)

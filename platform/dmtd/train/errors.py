@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dmtd.train.cache import CacheError
 from dmtd.train.checkpoint import CheckpointError
 from dmtd.train.commands import TrainInputError
 from dmtd.train.corpus import CorpusError
 
-TRAIN_USER_ERRORS: tuple[type[BaseException], ...] = (CorpusError, CheckpointError, TrainInputError)
+TRAIN_USER_ERRORS: tuple[type[BaseException], ...] = (CorpusError, CheckpointError, CacheError, TrainInputError)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,24 +14,71 @@ from dmtd.train.corpus import Record
 from dmtd.train.student import DMTDStudent
 
 
-def distill_loss(logits_s: torch.Tensor, logits_t: torch.Tensor, targets: torch.Tensor, is_tail: torch.Tensor,
-                 kl_weight: float, ce_weight: float, head_weight: float, tail_weight: float,
+@dataclass(slots=True)
+class TopKTargets:
+    """The teacher's distribution at N positions, stored sparsely: its top-k log-probs and the rest.
+
+    ``ids`` [N, k] long (most likely first), ``logp`` [N, k] float, ``log_rest`` [N] float: log of the
+    probability mass outside the k ids (``-inf`` when k covers the whole vocabulary).
+    """
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    log_rest: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.shape != self.logp.shape or self.ids.dim() != 2 or self.log_rest.shape != self.ids.shape[:1]:
+            raise ValueError(f"top-k targets: ids {tuple(self.ids.shape)}, logp {tuple(self.logp.shape)} and "
+                             f"log_rest {tuple(self.log_rest.shape)} must be [N, k], [N, k] and [N]")
+
+    @property
+    def top1(self) -> torch.Tensor:
+        return self.ids[:, 0]
+
+
+def topk_kl(logp_s: torch.Tensor, t: TopKTargets) -> torch.Tensor:
+    """KL(teacher ‖ student) per position over the teacher's k ids plus one bucket for everything else.
+
+    With k = vocabulary size this is the full KL exactly; otherwise the student's rest bucket is
+    ``1 − Σ_k p_student``, computed as a log-sum-exp over the other ids (stable when the rest is tiny).
+    """
+    ids = t.ids.long()
+    lt = t.logp.to(logp_s.dtype)
+    ls = logp_s.gather(-1, ids)
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    if ids.shape[1] >= logp_s.shape[1]:
+        return kl
+    ls_rest = torch.logsumexp(logp_s.scatter(-1, ids, float("-inf")), dim=-1)
+    lr = t.log_rest.to(logp_s.dtype)
+    rest = torch.where(torch.isfinite(lr), lr.exp() * (lr - ls_rest), torch.zeros_like(lr))
+    return kl + rest
+
+
+def distill_loss(logits_s: torch.Tensor, teacher: torch.Tensor | TopKTargets, targets: torch.Tensor,
+                 is_tail: torch.Tensor, kl_weight: float, ce_weight: float, head_weight: float, tail_weight: float,
                  total_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted KL(base ‖ student) + cross-entropy over selected positions [N, V], summed / ``total_weight``."""
+    """Weighted KL(base ‖ student) + cross-entropy over selected positions [N, V], summed / ``total_weight``.
+
+    ``teacher`` is the base model's logits [N, V] or its cached :class:`TopKTargets`.
+    """
     logp_s = F.log_softmax(logits_s.float(), dim=-1)
     w = torch.where(is_tail, tail_weight, head_weight).to(logp_s.dtype)
     loss = torch.zeros((), dtype=logp_s.dtype, device=logp_s.device)
     stats: dict[str, float] = {}
     if kl_weight:
-        logp_t = F.log_softmax(logits_t.float(), dim=-1)
-        kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+        if isinstance(teacher, TopKTargets):
+            kl = topk_kl(logp_s, teacher)
+        else:
+            logp_t = F.log_softmax(teacher.float(), dim=-1)
+            kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)
         loss = loss + kl_weight * (w * kl).sum()
         stats["kl"] = float(kl.detach().mean())
     ce = -logp_s.gather(-1, targets[:, None])[:, 0]
     if ce_weight:
         loss = loss + ce_weight * (w * ce).sum()
     stats["ce"] = float(ce.detach().mean())
-    agree = logits_s.detach().argmax(-1) == logits_t.argmax(-1)
+    top1 = teacher.top1 if isinstance(teacher, TopKTargets) else teacher.argmax(-1)
+    agree = logits_s.detach().argmax(-1) == top1
     stats["tail_agree"] = float(agree[is_tail].float().mean()) if bool(is_tail.any()) else math.nan
     stats["head_agree"] = float(agree[~is_tail].float().mean()) if bool((~is_tail).any()) else math.nan
     return loss / total_weight, stats

@@ -63,3 +63,44 @@ def plot_report(r: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_curve(log: Path) -> dict[int, dict[str, float]]:
+    """Held-out tail agreement by τ at each evaluated step of a run's ``log.jsonl`` (the last entry per step)."""
+    import json
+
+    out: dict[int, dict[str, float]] = {}
+    if not log.is_file():
+        return out
+    for line in log.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill; the next resume rewrites the log
+        if isinstance(d, dict) and isinstance(d.get("eval"), dict):
+            out[int(d["step"])] = {str(k): float(v) for k, v in d["eval"].items()}
+    return dict(sorted(out.items()))
+
+
+def plot_curve(log: Path, path: Path, title: str = "") -> None:
+    """PNG of a run's held-out tail agreement by τ against optimizer step (and tokens seen when logged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = read_curve(log)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    taus = sorted({t for v in curve.values() for t in v}, key=int)
+    for t in taus:
+        pts = [(s, v[t]) for s, v in curve.items() if t in v]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=f"τ = {t}")
+    ax.set(title=f"held-out tail top-1 agreement with the base {title}".strip(), xlabel="optimizer step",
+           ylabel="agreement", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    if taus:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -76,15 +76,11 @@ class DMTDStudent(nn.Module):
                 ws[i] = w._replace(**{t: self.lora.merged(i, t, getattr(w, t)) for t in self.lora.targets})
         return ws
 
-    def forward_pair(self, input_ids: torch.Tensor, head_mask: torch.Tensor,
-                     select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Student logits under DMTD routing (with grad) and base-model logits (no grad).
-
-        ``select`` [B, T] bool picks the positions whose logits are computed (both → [N, V]); None = all.
-        """
+    def _frozen(self, input_ids: torch.Tensor, select: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The teacher's pass: hidden states at the group cuts (shared with the student) and its logits."""
         m, d = self.model, self.dmtd
         E, ds, L, f = d.thinking_start, d.decoding_start, m.config.num_layers, self.first_trainable
-        cos, sin = m.rope(torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0))
         tw = self.teacher_ws
         cuts = sorted({0, E, min(f, ds), ds})
         with torch.no_grad():
@@ -92,7 +88,48 @@ class DMTDStudent(nn.Module):
             for a, b in zip(cuts, cuts[1:]):
                 hs[b] = run(tw, m, hs[a], a, b, cos, sin)
             h_t = run(tw, m, hs[ds], ds, L, cos, sin)
-            logits_t = m.logits(h_t if select is None else h_t[select])
+            return hs, m.logits(h_t if select is None else h_t[select])
+
+    def _rope(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rope(torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0))
+
+    @property
+    def trunk_frozen(self) -> bool:
+        """True when nothing below the decoding layers trains: their inputs do not depend on the weights."""
+        return self.first_trainable >= self.dmtd.decoding_start
+
+    @torch.no_grad()
+    def frozen_pass(self, input_ids: torch.Tensor,
+                    select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """With a frozen trunk: the decoding layers' inputs ``h_enc``, ``h_think`` [B, T, H] and the base
+        model's logits at ``select`` — everything :meth:`decode` needs besides the trained weights."""
+        if not self.trunk_frozen:
+            raise ValueError("frozen_pass needs a frozen trunk (only decoding layers train)")
+        d = self.dmtd
+        hs, logits_t = self._frozen(input_ids, select, *self._rope(input_ids))
+        return hs[d.thinking_start], hs[d.decoding_start], logits_t
+
+    def decode(self, h_enc: torch.Tensor, h_think: torch.Tensor, head_mask: torch.Tensor,
+               select: torch.Tensor | None = None, ws: list[LayerWeights] | None = None) -> torch.Tensor:
+        """Student logits from the decoding layers' inputs under DMTD routing (with grad); ``select`` as in
+        :meth:`forward_pair`; ``ws`` the student's layer weights when already gathered. With a frozen
+        trunk these inputs can come from a cache."""
+        m, d = self.model, self.dmtd
+        cos, sin = m.rope(torch.arange(h_enc.shape[1], device=h_enc.device).unsqueeze(0))
+        x = route_decoding_input(h_enc, h_think, head_mask, d.head_input)
+        h = run(ws or self.student_ws(), m, x, d.decoding_start, m.config.num_layers, cos, sin)
+        return m.logits(h if select is None else h[select])
+
+    def forward_pair(self, input_ids: torch.Tensor, head_mask: torch.Tensor,
+                     select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Student logits under DMTD routing (with grad) and base-model logits (no grad).
+
+        ``select`` [B, T] bool picks the positions whose logits are computed (both → [N, V]); None = all.
+        """
+        m, d = self.model, self.dmtd
+        E, ds, f = d.thinking_start, d.decoding_start, self.first_trainable
+        cos, sin = self._rope(input_ids)
+        hs, logits_t = self._frozen(input_ids, select, cos, sin)
         sw = self.student_ws()
         if f >= ds:
             h_enc, h_think = hs[E], hs[ds]
@@ -101,9 +138,7 @@ class DMTDStudent(nn.Module):
         else:
             h_enc = run(sw, m, hs[f], f, E, cos, sin)
             h_think = run(sw, m, h_enc, E, ds, cos, sin)
-        x = route_decoding_input(h_enc, h_think, head_mask, d.head_input)
-        h = run(sw, m, x, ds, L, cos, sin)
-        return m.logits(h if select is None else h[select]), logits_t
+        return self.decode(h_enc, h_think, head_mask, select, sw), logits_t
 
     @torch.no_grad()
     def masked_logits(self, input_ids: torch.Tensor, head_mask: torch.Tensor) -> torch.Tensor:

@@ -11,18 +11,20 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from tqdm import tqdm
 
 from dmtd.engine.config import ConfigError, DMTDConfig
 from dmtd.train.batches import DataOrder, draw_routing, make_batch
+from dmtd.train.cache import CacheError, CacheSpec, TeacherCache, default_cache_dir
 from dmtd.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from dmtd.train.config import RESUMABLE_CHANGES, TrainConfig
 from dmtd.train.corpus import Corpus, CorpusError, load_corpus
 from dmtd.train.lora import LoRAAdapters, parse_layers
-from dmtd.train.metrics import batch_weight, distill_loss, teacher_forced
+from dmtd.train.metrics import TopKTargets, batch_weight, distill_loss, teacher_forced
+from dmtd.train.plots import plot_curve
 from dmtd.train.student import DMTDStudent
 from dmtd.variants.loader import LoadedModel, load_model
 from dmtd.variants.manifest import base_fingerprint
@@ -38,13 +40,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def dmtd_of(cfg: TrainConfig, num_layers: int) -> DMTDConfig:
-    t = num_layers - cfg.num_encoding_layers - cfg.num_decoding_layers
+def dmtd_of_split(e: int, d: int, num_layers: int, tau_max: int = 1, phase_anchor: str = "prompt_end",
+                  head_input: str = "replace") -> DMTDConfig:
+    """The routing of a layer split (E encoding, D decoding layers, the rest thinking)."""
+    t = num_layers - e - d
     if t < 1:
-        raise ConfigError(f"num_encoding_layers ({cfg.num_encoding_layers}) + num_decoding_layers "
-                          f"({cfg.num_decoding_layers}) must leave >= 1 thinking layer of {num_layers}")
-    return DMTDConfig(cfg.num_encoding_layers, t, cfg.num_decoding_layers, cfg.tau_max, cfg.phase_anchor,
-                      cfg.head_input)
+        raise ConfigError(f"num_encoding_layers ({e}) + num_decoding_layers ({d}) must leave >= 1 thinking layer "
+                          f"of {num_layers}")
+    return DMTDConfig(e, t, d, tau_max, phase_anchor, head_input)  # type: ignore[arg-type]
+
+
+def dmtd_of(cfg: TrainConfig, num_layers: int) -> DMTDConfig:
+    return dmtd_of_split(cfg.num_encoding_layers, cfg.num_decoding_layers, num_layers, cfg.tau_max,
+                         cfg.phase_anchor, cfg.head_input)
 
 
 @dataclass(slots=True)
@@ -90,6 +98,7 @@ class Trainer:
         self.heldout = self.corpus.split("heldout")
         if not self.train_records:
             raise CorpusError(f"corpus {cfg.corpus!r} has no training records")
+        self.cache = self._open_cache() if cfg.cache else None
         self.order = DataOrder([min(r.num_tokens, cfg.max_len) for r in self.train_records], cfg.batch_size,
                                cfg.seed)
         self.state = TrainState()
@@ -105,6 +114,17 @@ class Trainer:
             raise CorpusError(f"corpus {self.cfg.corpus!r} was made with another base model "
                               f"({corpus.manifest.config.base_model}), not {self.loaded.path}")
         return corpus
+
+    def _open_cache(self) -> TeacherCache:
+        cfg = self.cfg
+        assert cfg.cache is not None
+        if not self.student.trunk_frozen:
+            raise CacheError("--cache needs a frozen trunk (scope decoding)")
+        root = Path(cfg.cache).expanduser()
+        if cfg.cache == "auto":
+            root = default_cache_dir(Path(cfg.corpus), CacheSpec(cfg.num_encoding_layers, cfg.num_decoding_layers))
+        return TeacherCache(root, self.corpus, self.fingerprint, self.loaded.config.hidden_size,
+                            (cfg.num_encoding_layers, cfg.num_decoding_layers))
 
     def _check_resume(self, ckpt: dict[str, Any]) -> None:
         try:
@@ -124,6 +144,9 @@ class Trainer:
                                   f"{str(ckpt['corpus_hash'])[:12]}…, now {self.corpus.content_hash[:12]}…)")
         if ckpt["base_fingerprint"] != self.fingerprint:
             raise CheckpointError("the checkpoint was trained from another base model")
+        cache_hash = self.cache.content_hash if self.cache is not None else None
+        if ckpt.get("cache_hash") != cache_hash:
+            raise CheckpointError("the checkpoint was trained from another teacher cache (or without one)")
         names = set(self.params)
         if set(ckpt["trainable"]) != names:
             raise CheckpointError("the checkpoint's trainable tensors do not match this run's scope")
@@ -155,21 +178,27 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
-        batches = []
+        batches, records = [], []
         for k in range(cfg.grad_accum):
             idx = step * cfg.grad_accum + k
             recs = [self.train_records[i] for i in self.order.micro_batch(idx)]
             taus, firsts = draw_routing(cfg.seed, idx, len(recs), cfg.tau_min, cfg.tau_max, cfg.phase_jitter)
             batches.append(make_batch(recs, taus, self.dmtd, cfg.max_len, firsts).to(self.device))
+            records.append(recs)
         total = sum(batch_weight(b, cfg.head_weight, cfg.tail_weight) for b in batches) or 1.0
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         self.opt.zero_grad(set_to_none=True)
         agg: dict[str, float] = {"loss": 0.0}
-        for b in batches:
-            ls, lt = self.student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
+        for b, recs in zip(batches, records):
+            teacher: torch.Tensor | TopKTargets
+            if self.cache is not None:  # the frozen trunk's states and the teacher's targets, precomputed
+                h_enc, h_think, teacher = self.cache.inputs(recs, b, self.loaded.model.embed_tokens)
+                ls = self.student.decode(h_enc, h_think, b.head_mask, b.loss_mask)
+            else:
+                ls, teacher = self.student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
             is_tail = ~b.head_mask[b.loss_mask]
-            loss, stats = distill_loss(ls, lt, b.targets[b.loss_mask], is_tail, cfg.kl_weight, cfg.ce_weight,
+            loss, stats = distill_loss(ls, teacher, b.targets[b.loss_mask], is_tail, cfg.kl_weight, cfg.ce_weight,
                                        cfg.head_weight, cfg.tail_weight, total)
             loss.backward()
             agg["loss"] += float(loss.detach())
@@ -189,7 +218,7 @@ class Trainer:
         end = min(cfg.max_steps, stop_at if stop_at is not None else cfg.max_steps)
         bar = tqdm(total=cfg.max_steps, initial=st.step, unit="step", desc=f"dmtd train {cfg.name}",
                    disable=not self.progress, dynamic_ncols=True)
-        log = (self.run_dir / "log.jsonl").open("a")
+        log = self._open_log()
         try:
             while st.step < end:
                 t0 = time.perf_counter()
@@ -206,14 +235,32 @@ class Trainer:
                                 tok_s=f"{stats['tokens'] / dt:.0f}")
                 if cfg.eval_every and st.step % cfg.eval_every == 0:
                     ev = self.heldout_agreement()
-                    log.write(json.dumps({"step": st.step, "eval": ev}) + "\n")
+                    log.write(json.dumps({"step": st.step, "tokens_seen": st.tokens_seen, "eval": ev}) + "\n")
                     log.flush()
+                    plot_curve(self.run_dir / "log.jsonl", self.run_dir / "curve.png", cfg.name)
                 if st.step % cfg.checkpoint_every == 0 or st.step == end:
                     self.save()
         finally:
             log.close()
             bar.close()
         return st
+
+    def _open_log(self) -> IO[str]:
+        """``log.jsonl`` for appending, without the lines of steps after the checkpoint being resumed (an
+        interrupted run logged them, the resumed run redoes them)."""
+        path = self.run_dir / "log.jsonl"
+        if path.is_file():
+            keep = []
+            for line in path.read_text().splitlines():
+                try:
+                    if int(json.loads(line)["step"]) <= self.state.step:
+                        keep.append(line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue  # torn by a kill
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(keep))
+            tmp.replace(path)
+        return path.open("a")
 
     def heldout_agreement(self) -> dict[str, float]:
         recs = self.heldout[: self.cfg.eval_records]
@@ -229,6 +276,8 @@ class Trainer:
         return save_checkpoint(self.run_dir, {
             "step": st.step, "config": self.cfg.model_dump(), "trainable": trainable,
             "optimizer": self.opt.state_dict(), "corpus_hash": self.corpus.content_hash,
-            "base_fingerprint": self.fingerprint, "tokens_seen": st.tokens_seen, "elapsed_s": st.elapsed_s,
+            "base_fingerprint": self.fingerprint,
+            "cache_hash": self.cache.content_hash if self.cache is not None else None,
+            "tokens_seen": st.tokens_seen, "elapsed_s": st.elapsed_s,
             "last": st.last,
         }, self.cfg.keep_checkpoints)

@@ -189,6 +189,9 @@ def engine_spec(model: str | None = None, variant: str | None = None, decoding_l
         prefix = tuple(f"layers.{i}." for i in range(dmtd.decoding_start, dmtd.num_layers))
         verifier = (Verifier("base", "replace", base_layers) if base_layers is not None and changed
                     and all(k.startswith(prefix) for k in changed) else own_verifier(dmtd, is_base=not changed))
+        if manifest.verifier is not None and manifest.verifier != verifier.name:
+            raise ManifestError(f"variant {manifest.name!r}: verifier is {manifest.verifier!r} in the manifest, but "
+                                f"its tensors make it {verifier.name!r} (base: changes only in the decoding group)")
         return EngineSpec(loaded, dmtd, manifest.default_tau, manifest.min_confidence, manifest, verifier,
                           read_draft_vocab(manifest, root))
     loaded = load_model(model, dtype=dtype, device=device)

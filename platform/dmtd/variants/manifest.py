@@ -53,6 +53,10 @@ class VariantManifest(BaseModel):
     default_profile: Literal["dmtd", "exact"] = Field(
         "dmtd", description="cycle profile a request gets when it names none: 'dmtd' (gated tails emit their "
         "tokens) or 'exact' (verified cycles: tails are drafts, the output is the verifier's)")
+    verifier: Literal["base", "variant"] | None = Field(
+        None, description="what the exact profile's output equals: 'base' (the base model; the variant changes "
+        "only the decoding group and carries the base weights) or 'variant' (its own τ = 1 path); None = derived "
+        "at load, checked when given")
     draft_vocab: str | None = Field(None, description="safetensors file (tensor token_ids) of the restricted tail "
                                     "vocabulary, relative to the manifest; None = the full vocabulary")
     draft_vocab_sha256: str | None = Field(None, description="SHA-256 of the draft_vocab file")

@@ -1,0 +1,52 @@
+"""The exact profile's draft length: the count with the most expected tokens per unit of measured cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmtd.engine.config import EngineConfig
+from dmtd.engine.draft_policy import PassCosts, best_num_drafts, expected_tokens
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.sequence import SamplingParams
+from tests.conftest import tiny_engine
+from tests.engine.test_exact import DMTD, base_model, prompts_of
+
+
+def test_expected_tokens_conditions_each_position_on_reaching_it():
+    # 100 cycles drafted position 0, 80 accepted; 80 drafted position 1 after that, 40 accepted
+    e = expected_tokens([80, 40], [100, 80], 2, prior=0.5)
+    a1 = (80 + 2) / (100 + 4)
+    a2 = (40 + 2) / (80 + 4)
+    assert e == pytest.approx(1 + a1 + a1 * a2)
+    assert expected_tokens([], [], 0) == 1.0
+
+
+def test_best_count_follows_measured_costs_and_acceptance():
+    cheap = PassCosts(checks={(1, 1): 1.0, (1, 2): 1.02, (1, 3): 1.04, (1, 4): 1.06}, drafts={1: 0.2})
+    dear = PassCosts(checks={(1, 1): 1.0, (1, 2): 1.6, (1, 3): 2.2, (1, 4): 2.8}, drafts={1: 0.45})
+    good = ([90, 80, 70], [100, 90, 80])  # accepted, drafted by position
+    poor = ([20, 5, 1], [100, 20, 5])
+    assert best_num_drafts(3, 1, cheap, *good) == 3
+    assert best_num_drafts(3, 1, dear, *poor) == 0  # a plain base step pays best
+    assert best_num_drafts(3, 1, cheap, *poor) in (0, 1)
+    assert best_num_drafts(0, 1, cheap, *good) == 0
+
+
+@pytest.mark.parametrize("think_scale,drafts_expected", [(0.0, True), (1.0, False)])
+def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_scale, drafts_expected):
+    base = base_model(1, think_scale)
+    prompts = prompts_of([5, 9, 13, 4], 1)
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True),
+                    default_cycle_len=1, eos_token_ids=[])
+    # costs as measured on a memory-bound machine: extra check positions and tails are cheap
+    eng.pass_costs = PassCosts(checks={(4, r): 1.0 + 0.02 * r for r in range(1, 5)}, drafts={4: 0.25})
+    eng.pass_costs.decay = 1.0  # keep these costs (the tiny model's own timings are not the point here)
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    drafted = sum(r.num_drafted for r in got)
+    tokens = sum(len(r.token_ids) for r in got)
+    if drafts_expected:  # every draft accepted: it keeps drafting the full τ − 1
+        assert sum(r.num_accepted for r in got) == drafted and drafted > 0.6 * tokens
+    else:  # nothing is accepted: only the exploring cycles (1 in 8) still draft
+        assert drafted < 0.25 * tokens
