@@ -38,3 +38,5 @@ for name in ${IMAGES:-operator serving}; do
       exit 1; }
   echo "ghcr.io/dmtd/$name:$TAG built in $(( $(date +%s) - start )) s"
 done
+# Drop the images the new tags replaced (untagged, no children); the layers the current tags use stay cached.
+"$PODMAN" image prune -f >/dev/null
