@@ -244,16 +244,14 @@ class LLMEngine:
 
     def _choose_drafts(self, seq: Sequence) -> None:
         """With ``adaptive_drafts``: the next cycle's draft count, from this request's acceptance so far and the
-        measured pass costs (a plain base step when no count pays); every 8th cycle drafts τ − 1 to keep
+        measured pass costs (a plain base step when no count pays); every 8th cycle drafts one more, to keep
         measuring."""
         if not self.cfg.adaptive_drafts:
             return
         seq.draft_target = None
-        explore = (seq.num_heads + 1) % 8 == 0
-        if not explore:
-            seq.draft_target = best_num_drafts(seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running),
-                                               self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
-        seq.draft_done = seq.draft_done or seq.max_drafts(self.cfg.max_model_len) == 0
+        best = best_num_drafts(seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running),
+                               self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
+        seq.draft_target = best + 1 if (seq.num_heads + 1) % 8 == 0 else best  # explore one further
 
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
@@ -294,8 +292,8 @@ class LLMEngine:
                 results += self._fail([s])
                 continue
             generated = s.num_generated
+            self._choose_drafts(s)  # before the check is applied: it decides from the new target whether to draft
             events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)
-            self._choose_drafts(s)
             for j, ev in enumerate(events):
                 o = self._to_output(ev)
                 results.append(o)
