@@ -47,6 +47,8 @@ class Usage:
     blocks: int = 0
     heads: int = 0
     cycles_cut: int = 0
+    drafted_tokens: int = 0  # exact profile
+    accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -70,3 +72,6 @@ class Block:
     finish_reason: str | None = None  # last block only: stop / length / abort / error
     error: str | None = None
     usage: Usage | None = None  # last block only
+    num_drafted: int = 0  # exact profile: drafts checked by the head that closed this block
+    num_accepted: int = 0
+    verifier: str = ""  # exact profile, last block: "base" or "variant"

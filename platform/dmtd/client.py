@@ -18,7 +18,7 @@ from dmtd.v1 import generate_pb2 as pb
 from dmtd.v1 import generate_pb2_grpc as pb_grpc
 
 PROFILES = {"adaptive": pb.CYCLE_PROFILE_UNSPECIFIED, "quality": pb.CYCLE_PROFILE_QUALITY,
-            "balanced": pb.CYCLE_PROFILE_BALANCED, "speed": pb.CYCLE_PROFILE_SPEED}
+            "balanced": pb.CYCLE_PROFILE_BALANCED, "speed": pb.CYCLE_PROFILE_SPEED, "exact": pb.CYCLE_PROFILE_EXACT}
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 

@@ -229,3 +229,34 @@ def test_zz_replica_killed_mid_stream_is_unavailable_then_restored(stack):
             assert time.monotonic() < deadline, "replica was not restored"
             time.sleep(1.0)
     assert sum(b.k for b in blocks) == 4
+
+
+def test_exact_profile_streams_the_base_models_tokens(stack, smollm2):
+    """CYCLE_PROFILE_EXACT: verified cycles on the replica; the tokens are τ = 1's and the last block names the
+    verifier, with drafted and accepted counts per block and in the usage."""
+    with DMTDClient(stack.grpc_target) as c:
+        blocks = list(c.generate(messages=CHAT, max_new_tokens=24, tau_min=3, tau_max=3, min_confidence=0.0,
+                                 ignore_eos=True, profile="exact"))
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
+                       EngineConfig(max_num_seqs=1, max_model_len=1024))
+    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=24, cycle_len=1, ignore_eos=True))[0]
+    assert [t for b in blocks for t in b.token_ids] == ref.token_ids
+    assert all(b.k == b.num_accepted + 1 for b in blocks[1:])  # accepted drafts + the verifier's own token
+    last = blocks[-1]
+    assert last.verifier == "base" and last.usage.drafted_tokens == sum(b.num_drafted for b in blocks) > 0
+    assert last.usage.accepted_tokens == sum(b.num_accepted for b in blocks)
+
+
+def test_openai_dmtd_profile_exact_gives_the_base_text(stack, smollm2):
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+    exact = client.chat.completions.create(model=VARIANT, messages=CHAT, max_tokens=16, temperature=0,
+                                           extra_body={"dmtd_profile": "exact", "tau_min": 3, "tau_max": 3})
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
+                       EngineConfig(max_num_seqs=1, max_model_len=1024))
+    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=16, cycle_len=1))[0]
+    assert exact.choices[0].message.content == ref.text
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=VARIANT, messages=CHAT, max_tokens=4, extra_body={"dmtd_profile": "x"})
+    assert "dmtd_profile" in str(e.value)

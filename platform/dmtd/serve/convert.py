@@ -24,6 +24,7 @@ def merge_blocks(blocks: list[Block]) -> Block:
     n = sum(max(b.k, 1) for b in blocks)
     return replace(last, token_ids=tokens, text="".join(b.text for b in blocks), k=len(tokens),
                    block_index=first.block_index, queue_ms=first.queue_ms, block_ms=sum(b.block_ms for b in blocks),
+                   num_drafted=sum(b.num_drafted for b in blocks), num_accepted=sum(b.num_accepted for b in blocks),
                    confidence=(min(b.confidence[0] for b in blocks),
                                sum(b.confidence[1] * max(b.k, 1) for b in blocks) / n,
                                max(b.confidence[2] for b in blocks)))
@@ -76,13 +77,15 @@ def to_token_block(b: Block, variant: str, ttft_ms: float | None) -> pb.TokenBlo
         k=b.k, tau=b.tau, min_confidence=b.min_confidence or 0.0,
         confidence=pb.ConfidenceSummary(min=lo, mean=mean, max=hi),
         timings=pb.Timings(ttft_ms=ttft_ms or 0.0, block_ms=b.block_ms, queue_ms=b.queue_ms),
-        variant=variant, replica=b.replica,
+        variant=variant, replica=b.replica, num_drafted=b.num_drafted, num_accepted=b.num_accepted,
+        verifier=b.verifier,
     )
     if b.finish_reason:
         msg.finish_reason = FINISH.get(b.finish_reason, pb.FINISH_REASON_ERROR)
         u = b.usage or Usage()
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                    blocks=u.blocks, heads=u.heads, cycles_cut=u.cycles_cut))
+                                    blocks=u.blocks, heads=u.heads, cycles_cut=u.cycles_cut,
+                                    drafted_tokens=u.drafted_tokens, accepted_tokens=u.accepted_tokens))
     return msg
 
 

@@ -185,7 +185,8 @@ class EngineLoop:
         try:
             params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
-                                    stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf)
+                                    stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf,
+                                    exact=r.profile == "exact")
             self.engine.add_request(live.prompt_ids, params, req_id=rid)
         except RequestError as e:
             self._fail(rid, RequestFailed(e.field, str(e)))
@@ -264,6 +265,7 @@ class EngineLoop:
             confidence=(min(confs), sum(confs) / len(confs), max(confs)),
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
+            num_drafted=o.num_drafted, num_accepted=o.num_accepted,
         )
         live.text, live.t_last = [], now
         live.block_index += 1
@@ -278,7 +280,11 @@ class EngineLoop:
             block.error = o.error
             block.usage = Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.num_tokens,
                                 blocks=live.block_index, heads=live.num_heads,
-                                cycles_cut=seq.num_cycles_cut if seq else 0)
+                                cycles_cut=seq.num_cycles_cut if seq else 0,
+                                drafted_tokens=seq.num_drafted if seq else 0,
+                                accepted_tokens=seq.num_accepted if seq else 0)
+            if seq is not None and seq.params.exact:
+                block.verifier = self.engine.verifier_name
             self.engine.release(o.req_id)
             self.live.pop(o.req_id, None)
             if self.telemetry is not None:

@@ -2,8 +2,8 @@
 
 One validated model per endpoint; ``parse_body`` turns raw bytes into a :class:`ReplicaRequest` or raises
 :class:`InvalidRequest` naming the field in the OpenAI API's terms (``max_tokens``, ``messages[0].content``).
-DMTD extras (``top_k``, ``tau_min``, ``tau_max``, ``min_confidence``, ``user_request_id``) sit beside them;
-any other key is refused, as the OpenAI API does.
+DMTD extras (``top_k``, ``tau_min``, ``tau_max``, ``min_confidence``, ``user_request_id``, ``dmtd_profile``)
+sit beside them; any other key is refused, as the OpenAI API does.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class _Common(BaseModel):
     tau_max: int | None = Field(None, ge=0, le=64, description="DMTD extension: upper bound of the cycle length")
     min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="DMTD extension: pin the gate")
     user_request_id: str | None = Field(None, max_length=128, description="DMTD extension: request id")
+    dmtd_profile: Literal["adaptive", "quality", "balanced", "speed", "exact"] | None = Field(
+        None, description="DMTD extension: cycle profile; 'exact' = verified cycles, the output is the base model's")
 
 
 class ChatCompletionRequest(_Common):
@@ -150,7 +152,7 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=stop,
         tau_min=body.tau_min or 0, tau_max=body.tau_max or 0, min_confidence=body.min_confidence,
-        arrival_s=arrival_s,
+        profile=body.dmtd_profile or "adaptive", arrival_s=arrival_s,
     )
     if isinstance(body, ChatCompletionRequest):
         req.messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dmtd_contract.records import ReplicaRequest
 
-PROFILES = {0: "adaptive", 1: "quality", 2: "balanced", 3: "speed"}
+PROFILES = {0: "adaptive", 1: "quality", 2: "balanced", 3: "speed", 4: "exact"}
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_STOP = 16
 MAX_STOP_CHARS = 256

@@ -13,6 +13,7 @@ class CycleProfile(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CYCLE_PROFILE_QUALITY: _ClassVar[CycleProfile]
     CYCLE_PROFILE_BALANCED: _ClassVar[CycleProfile]
     CYCLE_PROFILE_SPEED: _ClassVar[CycleProfile]
+    CYCLE_PROFILE_EXACT: _ClassVar[CycleProfile]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ CYCLE_PROFILE_UNSPECIFIED: CycleProfile
 CYCLE_PROFILE_QUALITY: CycleProfile
 CYCLE_PROFILE_BALANCED: CycleProfile
 CYCLE_PROFILE_SPEED: CycleProfile
+CYCLE_PROFILE_EXACT: CycleProfile
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -118,21 +120,25 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., block_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "blocks", "heads", "cycles_cut")
+    __slots__ = ("prompt_tokens", "completion_tokens", "blocks", "heads", "cycles_cut", "drafted_tokens", "accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HEADS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_CUT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     blocks: int
     heads: int
     cycles_cut: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., heads: _Optional[int] = ..., cycles_cut: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., heads: _Optional[int] = ..., cycles_cut: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenBlock(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "block_index", "k", "tau", "min_confidence", "confidence", "timings", "finish_reason", "usage", "variant", "replica")
+    __slots__ = ("request_id", "token_ids", "text", "block_index", "k", "tau", "min_confidence", "confidence", "timings", "finish_reason", "usage", "variant", "replica", "num_drafted", "num_accepted", "verifier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +152,9 @@ class TokenBlock(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     VARIANT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -159,7 +168,10 @@ class TokenBlock(_message.Message):
     usage: Usage
     variant: str
     replica: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., block_index: _Optional[int] = ..., k: _Optional[int] = ..., tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., confidence: _Optional[_Union[ConfidenceSummary, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., variant: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    num_drafted: int
+    num_accepted: int
+    verifier: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., block_index: _Optional[int] = ..., k: _Optional[int] = ..., tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., confidence: _Optional[_Union[ConfidenceSummary, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., variant: _Optional[str] = ..., replica: _Optional[str] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verifier: _Optional[str] = ...) -> None: ...
 
 class VariantInfo(_message.Message):
     __slots__ = ("name", "base_model", "status", "traffic_weight", "tau_min", "tau_max", "default_tau", "min_confidence", "num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "phase_anchor", "head_input", "revision", "is_default")
