@@ -200,7 +200,7 @@ class LLMEngine:
         if not out.seqs:
             return []
         if out.is_prefill:
-            results = self._sampled(out, self._timed("prefill", self.runner.prefill, out.prefill))
+            results = self._sampled(out, self._timed("prefill", self.runner.prefill, out.prefill)[0])
             conf = {o.req_id: o.confidence for o in results}
             for s in out.prefill:
                 if s.params.exact:
@@ -211,7 +211,7 @@ class LLMEngine:
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
         checking = [s for s in out.decode if s.params.exact and s.draft_done]
-        results = self._sampled(SchedulerOutput(decode=plain), self._timed("decode", self.runner.decode, plain),
+        results = self._sampled(SchedulerOutput(decode=plain), self._timed("decode", self.runner.decode, plain)[0],
                                 False) if plain else []
         if drafting:
             results += self._draft(drafting)
@@ -220,13 +220,16 @@ class LLMEngine:
         self.scheduler.num_decode_steps += 1
         return results
 
-    def _timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor], seqs: list[Sequence]) -> torch.Tensor:
+    def _timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor],
+               seqs: list[Sequence]) -> tuple[torch.Tensor, float]:
+        """Run a model pass, count it in ``pass_stats``; returns its output and its seconds."""
         t = time.perf_counter()
         out = run(seqs)
+        dt = time.perf_counter() - t
         st = self.pass_stats.setdefault(kind, [0, 0.0])
         st[0] += 1
-        st[1] += time.perf_counter() - t
-        return out
+        st[1] += dt
+        return out, dt
 
     def _sampled(self, out: SchedulerOutput, logits: torch.Tensor, advance_clock: bool = True) -> list[StepOutput]:
         """Sample one token per row of a prefill or plain decode batch, then apply the step."""
@@ -264,9 +267,8 @@ class LLMEngine:
 
     def _draft(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A tail step of verified cycles: one draft per row, nothing emitted."""
-        t = time.perf_counter()
-        logits = self._timed("draft", self.runner.draft, seqs)
-        self.pass_costs.observe_draft(len(seqs), time.perf_counter() - t)
+        logits, dt = self._timed("draft", self.runner.draft, seqs)
+        self.pass_costs.observe_draft(len(seqs), dt)
         d = pick_drafts(logits, self.runner.draft_ids, [s.params for s in seqs],
                         [self._gens.get(s.req_id) for s in seqs])
         results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
@@ -279,10 +281,9 @@ class LLMEngine:
 
     def _check(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A head of verified cycles: check every row's drafts and emit its block."""
-        t = time.perf_counter()
-        logits = self._timed("verify", self.runner.verify, seqs)
+        logits, dt = self._timed("verify", self.runner.verify, seqs)
         R = logits.shape[1]
-        self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - t)
+        self.pass_costs.observe_check(len(seqs), R, dt)
         results: list[StepOutput] = []
         for i, s in enumerate(seqs):
             m = len(s.drafts)
