@@ -42,6 +42,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--compare-engine", action="store_true",
+                   help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
+                        "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency and engine TTFT")
 
 
 def one_request(target: str, i: int, policy: str, max_new: int) -> dict[str, Any]:
@@ -77,6 +80,13 @@ def summarize(results: list[dict[str, Any]], wall_s: float, ttft_slo: float, itl
             "e2e_p50_ms": percentile([r["e2e_ms"] for r in results], 0.5),
             "e2e_p95_ms": percentile([r["e2e_ms"] for r in results], 0.95),
             "slo_attainment": len(ok) / len(results) if results else 0.0}
+
+
+def engine_columns(row: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
+    """What a stack row gains from the same workload on the in-process engine (``--compare-engine``)."""
+    return {"engine_tokens_per_s": e["tokens_per_s"], "stack_efficiency": row["tokens_per_s"] / e["tokens_per_s"],
+            "engine_ttft_p50_ms": e["ttft_p50_ms"], "engine_ttft_p95_ms": e["ttft_p95_ms"],
+            "engine_itl_p50_ms": e["itl_p50_ms"], "engine_itl_p95_ms": e["itl_p95_ms"], "engine": e}
 
 
 def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int) -> tuple[list, float]:
@@ -127,6 +137,13 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
     else:
         target = args.server
     rows = []
+    engine: Any = None
+    if args.compare_engine:
+        from dmtd.serve.engine_compare import build_local_engine, engine_closed_loop
+
+        engine, engine_cfg = build_local_engine(args.variant or default_variant, args.model, args.decoding_layers,
+                                                max(concurrency), args.itl_slo_ms)
+        engine_closed_loop(engine, engine_cfg, POLICIES["tau1"], 1, 1, 8, PROMPTS)  # warm-up
     try:
         one_request(target, 0, "tau1", 8)  # warm-up
         jobs = [(p, n) for n in concurrency for p in policies]
@@ -139,7 +156,12 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
             else:
                 res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
                 mode = {"mode": "open", "rate": args.rate}
-            rows.append({"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)})
+            row = {"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)}
+            if engine is not None and n > 0:
+                eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n, args.requests_per_worker,
+                                                 args.max_new_tokens, PROMPTS)
+                row.update(engine_columns(row, summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)))
+            rows.append(row)
     finally:
         if started:
             stop_stack()
@@ -149,13 +171,23 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         if base:
             r["speedup_vs_tau1"] = r["tokens_per_s"] / base["tokens_per_s"]
     result = {"target": target, "variant": args.variant or default_variant, "max_new_tokens": args.max_new_tokens,
-              "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms, "rows": rows}
+              "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
+              "requests_per_worker": args.requests_per_worker, "rows": rows}
     print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
     for r in rows:
         print(f"{r['mode']:>6} {r.get('concurrency', r.get('rate')):>6} {r['policy']:>9} {r['tokens_per_s']:>7.1f} "
               f"{r.get('speedup_vs_tau1', 0):>5.2f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
               f"{r['itl_p95_ms']:>8.1f} {r['e2e_p95_ms']:>8.0f} {r['slo_attainment']:>5.0%}")
+    if any("engine_tokens_per_s" in r for r in rows):
+        print(f"\n{'N':>4} {'policy':>9} {'stack tok/s':>11} {'engine tok/s':>12} {'efficiency':>10} "
+              f"{'TTFT p50 stack':>14} {'engine':>7} {'ITL p50 stack':>13} {'engine':>7}")
+        for r in rows:
+            if "engine_tokens_per_s" in r:
+                print(f"{r['concurrency']:>4} {r['policy']:>9} {r['tokens_per_s']:>11.1f} "
+                      f"{r['engine_tokens_per_s']:>12.1f} {r['stack_efficiency']:>10.2f} "
+                      f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
+                      f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
