@@ -12,6 +12,7 @@ import json
 import random
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency and engine TTFT")
 
 
-def one_request(target: str, i: int, policy: str, max_new: int) -> dict[str, Any]:
+def one_request(target: str, i: int, policy: str, max_new: int, request_id: str = "") -> dict[str, Any]:
     from dmtd.client import DMTDClient
 
     lo, hi = POLICIES[policy]
@@ -57,7 +58,8 @@ def one_request(target: str, i: int, policy: str, max_new: int) -> dict[str, Any
     tokens = 0
     with DMTDClient(target) as c:
         for b in c.generate(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                            max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi):
+                            max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi,
+                            request_id=request_id):
             now = time.perf_counter()
             if first is None:
                 first = now
@@ -89,11 +91,16 @@ def engine_columns(row: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
             "engine_itl_p50_ms": e["itl_p50_ms"], "engine_itl_p95_ms": e["itl_p95_ms"], "engine": e}
 
 
-def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int) -> tuple[list, float]:
+def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int,
+                tag: str = "") -> tuple[list, float]:
+    """N workers × ``per_worker`` back-to-back requests; with ``tag``, request ids are ``{tag}-{i}``."""
+    def worker(w: int) -> list[dict[str, Any]]:
+        return [one_request(target, w * 100 + j, policy, max_new, f"{tag}-{w * 100 + j}" if tag else "")
+                for j in range(per_worker)]
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
-        futs = [pool.submit(lambda w: [one_request(target, w * 100 + j, policy, max_new) for j in range(per_worker)], w)
-                for w in range(n)]
+        futs = [pool.submit(worker, w) for w in range(n)]
         results = [r for f in futs for r in f.result()]
     return results, time.perf_counter() - t0
 
@@ -150,13 +157,18 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         if args.rate > 0:
             jobs += [(p, -1) for p in policies]
         for policy, n in tqdm(jobs, desc="bench serve", unit="run"):
+            tag = f"bench-{policy}-n{n}-{uuid.uuid4().hex[:8]}"
             if n > 0:
-                res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens)
+                res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens, tag)
                 mode = {"mode": "closed", "concurrency": n}
             else:
                 res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
                 mode = {"mode": "open", "rate": args.rate}
             row = {"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)}
+            if started and n > 0:
+                from dmtd.serve.bench_stages import collect_stages
+
+                row["stages"] = collect_stages("dmtd", tag, len(res))
             if engine is not None and n > 0:
                 eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n, args.requests_per_worker,
                                                  args.max_new_tokens, PROMPTS)
@@ -188,12 +200,27 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
                       f"{r['engine_tokens_per_s']:>12.1f} {r['stack_efficiency']:>10.2f} "
                       f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
                       f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
+    staged = [r for r in rows if r.get("stages", {}).get("requests")]
+    if staged:
+        from dmtd.serve.bench_stages import STAGES
+
+        print("\nms per token by stage (from the spans):\n" + f"{'N':>4} {'policy':>9} "
+              + " ".join(f"{s:>15}" for s in STAGES))
+        for r in staged:
+            print(f"{r['concurrency']:>4} {r['policy']:>9} "
+                  + " ".join(f"{r['stages']['ms_per_token'][s]:>15.2f}" for s in STAGES))
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
         plot(result, path.with_suffix(".png"))
-        print(f"wrote {path} and {path.with_suffix('.png')}")
+        written = [path, path.with_suffix(".png")]
+        if staged:
+            from dmtd.serve.bench_stages import plot_stages
+
+            written.append(path.with_name(path.stem + "_stages.png"))
+            plot_stages(staged, written[-1], f"dmtd bench serve — variant {result['variant']}: stages per token")
+        print("wrote " + ", ".join(map(str, written)))
     return result
 
 

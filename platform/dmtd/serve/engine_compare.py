@@ -108,4 +108,4 @@ def build_local_engine(variant: str, model: str | None, decoding_layers: int | N
     from dmtd.serve.app import EngineFactory
 
     return EngineFactory(variant=variant, model=model, decoding_layers=decoding_layers, max_num_seqs=max_num_seqs,
-                         itl_slo_ms=itl_slo_ms)()  # type: ignore[no-any-return]
+                         itl_slo_ms=itl_slo_ms)()

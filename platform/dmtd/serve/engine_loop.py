@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class _Live:
     t_last: float = 0.0
     cycles_cut: int = 0
     prompt_ids: list[int] = field(default_factory=list)
+    step_ms: float = 0.0  # engine steps this request ran in since its last block
+    ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
 
 
 class EngineLoop:
@@ -105,11 +108,14 @@ class EngineLoop:
             raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
         live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
+        live.t_admit_wall = time.time()  # until admitted: when the request reached this replica
         self.live[req.request_id] = live
         tel = self.telemetry
         if tel is not None:
-            tel.on_arrival(req.request_id, req.traceparent, {"dmtd.tau_bounds": f"{lo}..{hi}",
-                                                             "dmtd.max_new_tokens": req.max_new_tokens})
+            attrs: dict[str, Any] = {"dmtd.tau_bounds": f"{lo}..{hi}", "dmtd.max_new_tokens": req.max_new_tokens}
+            if req.sent_s:
+                attrs["dmtd.stage.ray_hop_ms"] = max(0.0, (live.t_admit_wall - req.sent_s) * 1e3)
+            tel.on_arrival(req.request_id, req.traceparent, attrs)
         self._ensure_task()
         try:
             live.prompt_ids = await self._encode(req)
@@ -119,6 +125,9 @@ class EngineLoop:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                now = time.perf_counter()
+                item.dispatch_ms = (now - live.ready.popleft()) * 1e3 if live.ready else 0.0
+                item.sent_s = time.time()
                 yield item
                 if item.finish_reason:
                     return
@@ -198,11 +207,12 @@ class EngineLoop:
             self._fail(rid, self._internal(rid, "admission failed", e))
             return
         live.prompt_tokens = self.engine.seqs[rid].prompt_len
-        live.t_admit_wall = time.time()
+        reached, live.t_admit_wall = live.t_admit_wall, time.time()
         live.t_admit = live.t_last = time.perf_counter()
         if self.telemetry is not None:
             self.telemetry.on_admit(rid, live.prompt_tokens, tau, conf,
-                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0)
+                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0,
+                                    max(0.0, (live.t_admit_wall - reached) * 1e3))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -227,6 +237,10 @@ class EngineLoop:
                 continue
             self.num_steps += 1
             now = time.perf_counter()
+            step_ms = (now - t_step) * 1e3
+            for rid in {o.req_id for o in outputs}:
+                if (lv := self.live.get(rid)) is not None:
+                    lv.step_ms += step_ms
             if self.telemetry is not None:
                 self._observe_step(outputs, now - t_step)
             for o in outputs:
@@ -265,9 +279,9 @@ class EngineLoop:
             confidence=(min(confs), sum(confs) / len(confs), max(confs)),
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
-            num_drafted=o.num_drafted, num_accepted=o.num_accepted,
+            num_drafted=o.num_drafted, num_accepted=o.num_accepted, step_ms=live.step_ms,
         )
-        live.text, live.t_last = [], now
+        live.text, live.t_last, live.step_ms = [], now, 0.0
         live.block_index += 1
         seq = self.engine.seqs.get(o.req_id)
         if self.telemetry is not None:
@@ -289,6 +303,7 @@ class EngineLoop:
             self.live.pop(o.req_id, None)
             if self.telemetry is not None:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
+        live.ready.append(now)
         live.queue.put_nowait(block)
 
     def _apply_controller(self) -> None:
