@@ -105,6 +105,8 @@ class PackedWeight:
         return MODES[self.fmt]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
+        if not _loaded:
+            load_kernels()
         return torch.ops.dmtd.linear(x, self.data, self.scales, self.mode)
 
     def rows(self, ids: torch.Tensor) -> PackedWeight:

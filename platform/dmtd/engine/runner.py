@@ -145,7 +145,8 @@ class ModelRunner:
         ctx = self._context([s.slot for s in seqs], pos, None if all(n == T for n in lens) else valid)
         h_enc = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
-        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
+        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
+                               self.weights)
         if d.phase_anchor == "absolute":
             head = pos % torch.tensor([s.cycle_len for s in seqs], device=self.device)[:, None] == 0
         else:
@@ -182,7 +183,8 @@ class ModelRunner:
         counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
         ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
         ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
-        x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
+        x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
+                         self.weights)
         if max(counts) > 1:
             pos, valid = self._right_aligned(last, counts)
             R = pos.shape[1]
@@ -215,7 +217,8 @@ class ModelRunner:
         ctx = self._context([s.slot for s in seqs], pos, valid)
         h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
-        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
+        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
+                               self.weights)
         heads = torch.ones(pos.shape, dtype=torch.bool, device=dev)
         xv = route_decoding_input(h_enc, h_think, heads, self.verifier.head_input)
         h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
