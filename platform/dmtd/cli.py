@@ -85,27 +85,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
-                   help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512, else float32; the "
-                   "default unless the variant recommends one)")
+                   help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512, else float32; float32 "
+                   "for the exact profile, whose tokens are then the verifier's bit for bit; the default unless "
+                   "the variant recommends one)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="weight-only low-bit projections and lm_head (CPU kernels built once for this CPU; "
                    "default: the variant's recommendation, else none)")
-
-
-def precision(args: argparse.Namespace, manifest: Any, device: str) -> tuple[str, str]:
-    """``--dtype`` / ``--quant``, else the variant manifest's recommendation, else auto / none."""
-    from dmtd.engine.lowbit import resolve_dtype
-
-    dtype = args.dtype or (manifest.dtype if manifest is not None else "auto")
-    quant = args.quant or (manifest.quant if manifest is not None else "none")
-    return resolve_dtype(dtype, device), quant
-
-
-def _manifest_of(variant: str) -> Any:
-    from dmtd.variants.build import find_variant
-    from dmtd.variants.manifest import read_manifest
-
-    return None if variant == "none" else read_manifest(find_variant(variant, [SHIPPED_VARIANTS]))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -113,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from dmtd.engine.config import EngineConfig
     from dmtd.engine.sequence import SamplingParams
-    from dmtd.variants.build import build_engine, engine_spec
+    from dmtd.variants.build import build_engine, engine_spec, variant_precision
 
     if args.prompt is None and args.chat is None:
         raise UsageError("one of --prompt or --chat is required")
@@ -128,8 +113,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.decoding_layers is not None and variant != "none":
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    manifest = _manifest_of(variant)
-    dtype, quant = precision(args, manifest, device)
+    if args.profile is not None:
+        wants_exact: bool | None = args.profile == "exact"
+    else:
+        wants_exact = None  # the variant's default profile decides
+    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS], wants_exact)
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,

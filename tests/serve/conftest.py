@@ -75,7 +75,8 @@ def stack(tmp_path_factory):
     http_port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     app = build_app({
-        "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4}],
+        # float32: the exact-profile streams are checked against float32 references token for token
+        "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4, "dtype": "float32"}],
         "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
         "registry_url": registry_url, "itl_slo_ms": 5000.0,  # no ITL pressure: tests see the operating point
         "omp_wait_policy": "PASSIVE",  # the replica shares 2 cores with the test process, Ray and the gateway

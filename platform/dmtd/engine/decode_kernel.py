@@ -63,7 +63,8 @@ def _decode_layers(
             qk = torch.cat((_rms(qk[:, :nh], q_norm[i], eps), _rms(qk[:, nh:], k_norm[i], eps)), dim=1)
         qk = qk * cos3 + qk.view(B, nh + nkv, 2, half).flip(2).reshape(B, nh + nkv, hd) * sin3
         q = qk[:, :nh]
-        k = qk[:, nh:]
+        k = qk[:, nh:].to(kc[i].dtype)
+        v = v.to(kc[i].dtype)
         if one:
             kc[i][s0, :, p0] = k[0]
             vc[i][s0, :, p0] = v[0]
@@ -83,10 +84,10 @@ def _decode_layers(
             else:
                 keys = kc[i][:, :, :read_len].index_select(0, slots)
                 vals = vc[i][:, :, :read_len].index_select(0, slots)
-        s = torch.matmul(q.reshape(B, nkv, g, hd), keys.transpose(-1, -2)) * scale
+        s = torch.matmul(q.reshape(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * scale
         if mask is not None:
             s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
-        a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd)
+        a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd).to(h.dtype)
         h = h + _lin(a, o[i], s_o, i, mode)
         gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)
         h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode)

@@ -157,8 +157,8 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
         k_cache[slot, :, pos] = k[0, :, 0]
         v_cache[slot, :, pos] = v[0, 0]
     else:
-        new_k = k.transpose(1, 2).reshape(B * S, nkv, hd)
-        new_v = v.reshape(B * S, nkv, hd)
+        new_k = k.transpose(1, 2).reshape(B * S, nkv, hd).to(k_cache.dtype)
+        new_v = v.reshape(B * S, nkv, hd).to(v_cache.dtype)
         if ctx.write_rows is not None:
             new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
         k_cache[ctx.write_slots, :, ctx.write_pos] = new_k
@@ -172,12 +172,13 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
         # Decode: group the query heads by their KV head and use two batched matmuls; far less
         # fixed overhead than SDPA for a single query row.
         g = nh // nkv
-        scores = torch.matmul(q.view(B, nkv, g, hd), keys.transpose(-1, -2)) * (hd ** -0.5)
+        scores = torch.matmul(q.view(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * (hd ** -0.5)
         if ctx.attn_mask is not None:
             scores = scores.masked_fill(~ctx.attn_mask.view(B, 1, 1, -1), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values).to(x.dtype)
         return project(out.reshape(B, 1, nh * hd), w.o)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.attn_mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=ctx.attn_mask,
+                                         enable_gqa=True).to(x.dtype)
     return project(out.transpose(1, 2).reshape(B, S, -1), w.o)
 
 

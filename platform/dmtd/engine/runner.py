@@ -37,7 +37,11 @@ class ModelRunner:
         self.model, self.dmtd, self.cfg = model.prepare_inference(), dmtd, cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
-        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.dtype, self.device)
+        # bf16 keeps its KV cache (and so attention) in float32: attention then computes a row the same way
+        # whatever else shares its step, which the exact profile's equality with τ = 1 rests on
+        self.kv_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
+        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.kv_dtype, self.device,
+                             self.dtype)
         self.kv = self.cache.layers
         self.verifier = verifier or own_verifier(dmtd, is_base=dmtd.head_input == "replace")
         have = next(model.parameters()).dtype

@@ -221,3 +221,30 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
     return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_cycle_len=spec.default_tau,
                      verifier=spec.verifier, draft_vocab=spec.draft_vocab)
+
+
+def variant_precision(variant: str | None, dtype: str | None, quant: str | None, device: str,
+                      search_dirs: list[Path] | None = None, exact: bool | None = None) -> tuple[str, str]:
+    """dtype and quantisation to run: as given, else the variant manifest's recommendation, else auto / none.
+
+    ``auto`` is float32 for the exact profile (``exact``; None: the variant's default profile): verified
+    cycles give the verifier's tokens bit for bit in float32, while in bfloat16 a row's rounding depends on
+    what shares its step, so near-ties may resolve differently than decoding alone would.
+    """
+    from dmtd.engine.lowbit import resolve_dtype
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    manifest = None
+    if variant not in (None, "none") and (dtype is None or quant is None):
+        manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
+    if variant not in (None, "none") and manifest is None and exact is None:
+        manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
+    dtype = dtype or (manifest.dtype if manifest is not None else "auto")
+    quant = quant or (manifest.quant if manifest is not None else "none")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if exact is None:
+        exact = manifest is not None and manifest.default_profile == "exact"
+    if dtype == "auto" and exact:
+        return "float32", quant
+    return resolve_dtype(dtype, device), quant

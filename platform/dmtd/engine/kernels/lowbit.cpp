@@ -150,11 +150,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   TORCH_CHECK(K % G == 0, "dmtd::linear: K must be a multiple of ", G);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
-  // Wide bf16 products (prefill, large batches) are compute-bound: torch's own bf16 GEMM does them better.
-  if (mode == BF16 && x.numel() / K > MB) {
-    at::Tensor y = at::linear(x.reshape({-1, K}).to(at::kBFloat16), w).view(out_shape);
-    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-  }
   at::Tensor x32 = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x32.size(0);
   at::Tensor y = at::empty({M, N}, x32.options());
