@@ -84,6 +84,9 @@ def test_counts_and_sums_match_the_traffic(stack):
 
 def test_gauges_and_every_documented_metric_is_exported(stack):
     gw_url, rep_url = urls(stack)
+    with DMTDClient(stack.grpc_target) as c:  # one verified cycle at least: the exact profile's series exist
+        list(c.generate(prompt="Fact:", max_new_tokens=3, ignore_eos=True, tau_min=2, tau_max=2, profile="exact"))
+    wait_idle(stack)
     g, r = scrape(gw_url), scrape(rep_url)
     assert g["dmtd_inflight_requests"] == 0 and g["dmtd_replicas_ready"] >= 1
     assert r["dmtd_queue_depth"] == 0 and r["dmtd_batch_size"] == 0 and r["dmtd_kv_cache_occupancy"] == 0
