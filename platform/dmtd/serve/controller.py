@@ -26,9 +26,14 @@ class ControllerConfig:
     max_batch: int = 16
     window: int = 256  # per-token ITL samples kept
     hold_steps: int = 8  # decisions at least this many observations apart
+    default_profile: str = "dmtd"  # the variant's: a request naming no profile gets "adaptive" or "exact"
 
     def clamp(self, tau: int) -> int:
         return max(self.tau_min, min(self.tau_max, tau))
+
+    def profile_of(self, requested: str) -> str:
+        """The profile a request runs with: its own, else the variant's default ("dmtd" is the adaptive one)."""
+        return requested or ("exact" if self.default_profile == "exact" else "adaptive")
 
 
 @dataclass(slots=True)
