@@ -142,3 +142,14 @@ def test_draft_metrics_count_what_was_streamed():
     gated = streams[3]
     assert d("dmtd_head_steps_total") == exact_heads + gated[-1].usage.heads
     assert gated[-1].usage.drafted_tokens == 0 and all(b.num_drafted == 0 for b in gated)
+
+
+def test_an_unknown_profile_is_refused_naming_the_field():
+    import pytest
+
+    from dmtd.serve.errors import RequestFailed
+
+    rep = make_replica(ControllerConfig(tau_min=1, tau_max=4, rest_tau=3, hold_steps=10**9))
+    with pytest.raises(RequestFailed) as e:
+        asyncio.run(collect(rep, req("u", PROMPTS[0], 4, profile="fast")))
+    assert e.value.field == "cycle.profile" and "quality, balanced, speed, exact, adaptive" in str(e.value)

@@ -120,3 +120,30 @@ def test_draft_metrics_over_prometheus_add_up(stack):
     assert d("dmtd_generated_tokens_total") == streamed == 28
     assert d("dmtd_accepted_tokens_total") + d("dmtd_head_steps_total") == streamed
     assert d("dmtd_tail_steps_total") == accepted
+
+
+def test_an_out_of_range_draft_threshold_is_refused_before_any_work(stack):
+    """gRPC INVALID_ARGUMENT naming cycle.min_confidence, HTTP 400 naming min_confidence: nothing admitted."""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    import pytest
+
+    wait_idle(stack)
+    accepted, steps = stack.gateway_info()["accepted"], stack.replica_stats()["steps"]
+    with DMTDClient(stack.grpc_target) as c:
+        for value in (1.5, -0.25, float("nan")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.generate(prompt="hi", max_new_tokens=4, profile="exact", min_confidence=value))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (e.value.details() or "").startswith("cycle.min_confidence: must be in [0.0, 1.0], got ")
+    body = json.dumps({"model": VARIANT, "messages": CHAT, "max_tokens": 4, "dmtd_profile": "exact",
+                       "min_confidence": 1.5}).encode()
+    request = urllib.request.Request(stack.http_url + "/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(http.value.read())["error"]
+    assert http.value.code == 400 and error["param"] == "min_confidence" and "min_confidence" in error["message"]
+    assert stack.gateway_info()["accepted"] == accepted and stack.replica_stats()["steps"] == steps

@@ -5,6 +5,10 @@ controller rests at the variant's operating point (``default_tau``, ``min_confid
 loosens the confidence gate under pressure (queued requests, a full batch, per-token ITL near the SLO),
 and returns to the operating point when there is headroom. It does not raise τ when the gate already
 cuts most cycles short (a longer cycle would not emit longer blocks).
+
+Requests of the exact profile follow the same decisions: for them τ and the gate set only how much is drafted
+(at most τ − 1 drafts a cycle, drafting stops at a draft below the gate), never the tokens, which stay the
+verifier's. A request that names no profile gets the variant's (``default_profile``).
 """
 
 from __future__ import annotations
