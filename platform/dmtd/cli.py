@@ -158,16 +158,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # profile that is the verifier alone — the base model's own decoding
         base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0)
         ref = _stream_local(engine, prompt_ids, base, echo=False)
-        speedup = tok_s / ref.tokens_per_s if ref.tokens_per_s > 0 else 0.0
-        match = ""
-        if params.exact and params.greedy:
-            same = ref.tokens == tokens
-            match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + (
-                f" ({engine.verifier_name} model)")
-            record["tokens_match_tau1"] = same
-        print(f"[τ=1 on the same request: {ref.tokens_per_s:.1f} tok/s → speedup {speedup:.2f}× at τ={tau}{gate}"
-              f"{match}]", file=out)
-        record.update(tau1_tokens_per_s=ref.tokens_per_s, speedup_vs_tau1=speedup, tau1_token_ids=ref.tokens)
+        from dmtd.client import compare_with_tau1
+
+        compare_with_tau1(record, tokens, tok_s, ref.tokens, ref.tokens_per_s, f"τ={tau}{gate}",
+                          engine.verifier_name if params.exact and params.greedy else None, out)
     if args.json:
         print(json.dumps(record))
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 
@@ -180,16 +180,23 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
     if run.verifier:
         record.update(verifier=run.verifier, num_drafted=run.num_drafted, num_accepted=run.num_accepted)
     if ref is not None:
-        speedup = run.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s > 0 else 0.0
-        match = ""
+        label, greedy = f"τ={run.tau}", float(kwargs.get("temperature") or 0.0) < 1e-2
         if ref.taus != {1}:
-            match = f"; the server ran τ in {sorted(ref.taus)}, not 1: its τ range excludes it"
-        elif run.verifier and float(kwargs.get("temperature") or 0.0) < 1e-2:
-            same = ref.tokens == run.tokens
-            match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + (
-                f" ({run.verifier} model)")
-            record["tokens_match_tau1"] = same
-        print(f"[τ=1 on the same request: {ref.tokens_per_s:.1f} tok/s → speedup {speedup:.2f}× at τ={run.tau}"
-              f"{match}]", file=out)
-        record.update(tau1_tokens_per_s=ref.tokens_per_s, speedup_vs_tau1=speedup, tau1_token_ids=ref.tokens)
+            label += f"; the server ran τ in {sorted(ref.taus)}, not 1: its τ range excludes it"
+        compare_with_tau1(record, run.tokens, run.tokens_per_s, ref.tokens, ref.tokens_per_s, label,
+                          run.verifier if greedy and ref.taus == {1} else None, out)
     return record
+
+
+def compare_with_tau1(record: dict[str, Any], tokens: list[int], tok_s: float, ref_tokens: list[int],
+                      ref_tok_s: float, label: str, verifier: str | None, out: TextIO) -> None:
+    """Report a request against its τ = 1 twin (``--compare-tau1``): the speedup and, given the ``verifier`` of
+    a greedy exact request, whether the tokens are the same; into ``record`` and one line on ``out``."""
+    speedup = tok_s / ref_tok_s if ref_tok_s > 0 else 0.0
+    match = ""
+    if verifier:
+        same = ref_tokens == tokens
+        match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + f" ({verifier} model)"
+        record["tokens_match_tau1"] = same
+    print(f"[τ=1 on the same request: {ref_tok_s:.1f} tok/s → speedup {speedup:.2f}× at {label}{match}]", file=out)
+    record.update(tau1_tokens_per_s=ref_tok_s, speedup_vs_tau1=speedup, tau1_token_ids=ref_tokens)

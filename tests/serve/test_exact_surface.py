@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
 from dmtd.client import DMTDClient
@@ -14,7 +13,7 @@ from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import GenerationResult, LLMEngine
 from dmtd.engine.sequence import SamplingParams
 from tests.serve.conftest import VARIANT
-from tests.serve.test_metrics import scrape, urls
+from tests.serve.test_metrics import concurrent_streams, scrape, urls
 from tests.serve.test_stack import CHAT, wait_idle
 
 
@@ -88,18 +87,9 @@ def test_draft_metrics_over_prometheus_add_up(stack):
     _, rep_url = urls(stack)
     wait_idle(stack)
     before = scrape(rep_url)
-    streams: dict[int, list] = {}
-
-    def run(i: int) -> None:
-        with DMTDClient(stack.grpc_target) as c:
-            streams[i] = list(c.generate(prompt=f"Fact {i}: the", max_new_tokens=14, ignore_eos=True, tau_min=3 + i,
-                                         tau_max=3 + i, min_confidence=0.0, profile="exact"))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    streams = concurrent_streams(stack, [dict(prompt=f"Fact {i}: the", max_new_tokens=14, ignore_eos=True,
+                                              tau_min=3 + i, tau_max=3 + i, min_confidence=0.0, profile="exact")
+                                         for i in range(2)])
     wait_idle(stack)
     after = scrape(rep_url)
 
