@@ -83,6 +83,32 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    "for the exact profile, greedy, also whether the tokens are τ = 1's")
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="generate through a running dmtd gateway (gRPC) instead of a local engine")
+    add_precision_args(p)
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512, else float32; the "
+                   "default unless the variant recommends one)")
+    p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
+                   help="weight-only low-bit projections and lm_head (CPU kernels built once for this CPU; "
+                   "default: the variant's recommendation, else none)")
+
+
+def precision(args: argparse.Namespace, manifest: Any, device: str) -> tuple[str, str]:
+    """``--dtype`` / ``--quant``, else the variant manifest's recommendation, else auto / none."""
+    from dmtd.engine.lowbit import resolve_dtype
+
+    dtype = args.dtype or (manifest.dtype if manifest is not None else "auto")
+    quant = args.quant or (manifest.quant if manifest is not None else "none")
+    return resolve_dtype(dtype, device), quant
+
+
+def _manifest_of(variant: str) -> Any:
+    from dmtd.variants.build import find_variant
+    from dmtd.variants.manifest import read_manifest
+
+    return None if variant == "none" else read_manifest(find_variant(variant, [SHIPPED_VARIANTS]))
 
 
 def check_generation_args(args: argparse.Namespace) -> None:
@@ -116,8 +142,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.decoding_layers is not None and variant != "none":
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = engine_spec(args.model, variant, args.decoding_layers, device=device, search_dirs=[SHIPPED_VARIANTS])
-    engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device))
+    manifest = _manifest_of(variant)
+    dtype, quant = precision(args, manifest, device)
+    spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
+                       search_dirs=[SHIPPED_VARIANTS])
+    engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
+                                             quant=quant))
     tau = args.tau if args.tau is not None else spec.default_tau
     profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(
@@ -143,13 +173,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         rate = run.num_accepted / run.num_drafted if run.num_drafted else 0.0
         checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}), "
                    f"verifier {engine.verifier_name}")
+    prec = dtype + ("" if quant == "none" else f" {quant}")
     print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}{checked}, "
-          f"finish={run.finish_reason}]", file=out)
+          f"{prec}, finish={run.finish_reason}]", file=out)
     record = {
         "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "token_ids": tokens,
         "text": "".join(run.text), "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks,
         "tau": tau, "min_confidence": params.min_confidence, "finish_reason": run.finish_reason, "variant": variant,
-        "profile": profile,
+        "profile": profile, "dtype": dtype, "quant": quant,
     }
     if params.exact:
         record.update(verifier=engine.verifier_name, num_drafted=run.num_drafted, num_accepted=run.num_accepted)

@@ -99,7 +99,8 @@ def test_bad_input_exits_2_naming_the_problem(args, words):
 def test_bench_engine_writes_json_and_png(tmp_path: Path):
     path = tmp_path / "bench.json"
     r = dmtd("bench", "engine", "--batch-sizes", "1,2", "--taus", "2", "--new-tokens", "6", "--prompt-len", "16",
-             "--repeats", "1", "--exact-taus", "2", "--json", str(path), timeout=600)
+             "--repeats", "1", "--exact-taus", "2", "--precisions", "float32,int8", "--quality-prompts", "2",
+             "--quality-tokens", "8", "--llama-cpp", "--json", str(path), timeout=900)
     assert r.returncode == 0, r.stderr
     data = json.loads(path.read_text())
     exact = data["exact"]
@@ -110,12 +111,23 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
         assert row["tok_s"] > 0 and 0 < row["pct_of_bound"] <= 1.0 and row["check_cost"] > 0
         if row["system"] == "exact2":
             assert row["acceptance"] is not None and 0 <= row["acceptance"] <= 1 and row["tail_cost"] > 0
-    systems = {(row["batch"], row["system"]) for row in data["rows"]}
-    assert systems == {(b, s) for b in (1, 2) for s in ("hf", "engine", "dmtd2")}
+    systems = {(row["batch"], row["precision"], row["system"]) for row in data["rows"]}
+    assert systems == {(b, p, s) for b in (1, 2) for p in ("float32", "int8") for s in ("engine", "dmtd2")} | {
+        (1, "float32", "hf"), (2, "float32", "hf"), (1, "gguf-q4_1", "llama.cpp")}
     for row in data["rows"]:
         assert row["tok_s"] > 0 and row["bound_tok_s"] > 0
         if row["system"] == "dmtd2":
             assert 1.0 < row["bound_speedup"] < 2.0
+        if row["batch"] == 1:  # every batch-1 row is set against llama.cpp's, measured in the same run
+            assert row["speedup_vs_llama_cpp"] > 0
+    int8 = next(r for r in data["rows"] if r["precision"] == "int8" and r["system"] == "engine" and r["batch"] == 1)
+    fp32 = next(r for r in data["rows"] if r["precision"] == "float32" and r["system"] == "engine" and r["batch"] == 1)
+    assert int8["bytes_per_token"] < 0.3 * fp32["bytes_per_token"]
+    quality = data["quality"]["by_precision"]
+    assert set(quality) == {"float32", "int8", "llama.cpp"}
+    assert quality["float32"]["agree_prefix_frac"] == 1.0 and quality["float32"]["judge_ppl_ratio"] == 1.0
+    for q in quality.values():
+        assert 0 <= q["agree_prefix_frac"] <= 1 and q["judge_ppl"] > 1
     assert data["machine"]["matvec_gb_s"] > 0
     assert path.with_suffix(".png").stat().st_size > 10_000
     assert path.with_name(path.stem + "_exact.png").stat().st_size > 10_000

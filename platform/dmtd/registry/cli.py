@@ -26,7 +26,7 @@ EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
 MANIFEST_NAME = "variant.json"
 # Manifest fields the registry does not keep but that are valid (they describe how the variant was made).
 _MANIFEST_ONLY = {"base_fingerprint", "vocab_size", "recipe", "data_hash", "eval", "heldout", "draft_vocab",
-                  "draft_vocab_sha256"}
+                  "draft_vocab_sha256", "dtype", "quant"}
 _KEPT = {"name", "base_model", "weights", "weights_sha256", "adapter", "adapter_sha256", "num_encoding_layers",
          "num_thinking_layers", "num_decoding_layers", "tau_max", "default_tau", "min_confidence",
          "phase_anchor", "head_input", "description", "default_profile", "verifier"}

@@ -188,7 +188,22 @@ def variant_verifier(dmtd: DMTDConfig, changed: set[str], base_layers: list[Laye
 def engine_spec(model: str | None = None, variant: str | None = None, decoding_layers: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu",
                 search_dirs: list[Path] | None = None) -> EngineSpec:
-    """Resolve ``--model`` / ``--variant`` / ``--decoding-layers`` into a loaded model and routing."""
+    """Resolve ``--model`` / ``--variant`` / ``--decoding-layers`` into a loaded model and routing.
+
+    The model is loaded and the variant merged in float32, then cast to ``dtype`` (verifier copies too).
+    """
+    spec = _engine_spec(model, variant, decoding_layers, device, search_dirs)
+    if dtype != torch.float32:
+        spec.loaded.model.to(dtype)
+        if spec.verifier is not None and spec.verifier.layers is not None:
+            spec.verifier.layers = [LayerWeights._make(None if t is None else t.to(dtype) for t in w)
+                                    for w in spec.verifier.layers]
+    return spec
+
+
+def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | None, device: str,
+                 search_dirs: list[Path] | None) -> EngineSpec:
+    dtype = torch.float32
     if variant not in (None, "none"):
         mpath = find_variant(variant, search_dirs)
         manifest = read_manifest(mpath)

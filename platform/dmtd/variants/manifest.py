@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -60,6 +60,9 @@ class VariantManifest(BaseModel):
     draft_vocab: str | None = Field(None, description="safetensors file (tensor token_ids) of the restricted tail "
                                     "vocabulary, relative to the manifest; None = the full vocabulary")
     draft_vocab_sha256: str | None = Field(None, description="SHA-256 of the draft_vocab file")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="recommended precision: 'auto' = bfloat16 on a CPU with AVX-512, else float32")
+    quant: Literal["none", "int8", "int4"] = Field("none", description="recommended weight-only quantisation")
 
     @model_validator(mode="after")
     def _tau_in_range(self) -> VariantManifest:
