@@ -53,8 +53,9 @@ def test_generate_compare_tau1_reports_the_speedup_over_the_same_request(smollm2
                  "--min-confidence", "0", "--json")
     ref = json.loads(plain.stdout.strip().splitlines()[-1])
     assert out["tau1_token_ids"] == ref["token_ids"] and ref["block_lens"] == [1] * len(ref["token_ids"])
+    # against a server --compare-tau1 is taken too (tests/serve/test_exact_surface.py): here none answers
     r = dmtd("generate", "--server", "127.0.0.1:1", "--prompt", "hi", "--compare-tau1")
-    assert r.returncode == 2 and "--compare-tau1" in r.stderr
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_generate_profile_exact_says_its_tokens_are_tau1s():
@@ -81,6 +82,13 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     (["--variant", "none"], "one of --prompt or --chat"),
     (["--variant", "no-such-variant", "--prompt", "hi"], "not found"),
     (["--variant", "none", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    # checked before any work: before the (absent) model would load, before the (absent) server is reached
+    (["--model", "/nonexistent/model", "--variant", "none", "--prompt", "hi", "--min-confidence", "1.5"],
+     "min_confidence: must be in [0, 1], got 1.5"),
+    (["--server", "127.0.0.1:1", "--profile", "exact", "--prompt", "hi", "--min-confidence", "-0.1"],
+     "min_confidence: must be in [0, 1], got -0.1"),
+    (["--server", "127.0.0.1:1", "--prompt", "hi", "--tau", "0"], "tau: must be >= 1"),
+    (["--profile", "quality", "--prompt", "hi"], "--profile quality: the replica controller's profiles"),
 ])
 def test_bad_input_exits_2_naming_the_problem(args, words):
     r = dmtd("generate", *args)

@@ -55,7 +55,8 @@ def start_registry(workdir) -> tuple[object, str]:
     proc, url = _start(exe, workdir)
     with RegistryClient(url) as reg:
         reg.register(VariantSpec(name=VARIANT, num_thinking_layers=22, num_decoding_layers=8, tau_min=1, tau_max=4,
-                                 default_tau=1, min_confidence=0.0), status="active", traffic_weight=1.0)
+                                 default_tau=1, min_confidence=0.0, verifier="base"), status="active",
+                     traffic_weight=1.0)
         reg.set_default(VARIANT)
     return proc, url
 

@@ -17,7 +17,7 @@ from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, r
 from dmtd.bench.roofline import measure_rates
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.variants.loader import load_model
 
 PROMPT_TEXT = (
@@ -72,6 +72,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
 
     taus = [int(t) for t in str(args.taus).split(",") if t]
     batches = [int(b) for b in str(args.batch_sizes).split(",") if b]
+    if args.draft_threshold is not None and not 0.0 <= args.draft_threshold <= 1.0:  # NaN fails too
+        raise RequestError("--draft-threshold", f"must be in [0, 1], got {args.draft_threshold}")
     precisions = pb.parse_precisions(args.precisions)
     if "float32" not in precisions:
         precisions = ["float32", *precisions]  # the reference every ratio and quality figure is taken against

@@ -78,7 +78,8 @@ class EngineFactory:
         tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
         cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
                                rest_min_confidence=spec.min_confidence, itl_slo_ms=self.itl_slo_ms,
-                               max_batch=self.max_num_seqs)
+                               max_batch=self.max_num_seqs,
+                               default_profile=spec.variant.default_profile if spec.variant is not None else "dmtd")
         return engine, cfg
 
 
@@ -128,7 +129,9 @@ class Gateway:
                                  "num_encoding_layers": e.num_encoding_layers,
                                  "num_thinking_layers": e.num_thinking_layers,
                                  "num_decoding_layers": e.num_decoding_layers, "phase_anchor": e.phase_anchor,
-                                 "head_input": e.head_input, "base_model": e.base_model}, snapshot.revision)
+                                 "head_input": e.head_input, "base_model": e.base_model,
+                                 "default_profile": e.default_profile, "verifier": e.verifier or ""},
+                                snapshot.revision)
         if default in router.routes:
             router.default = default
 

@@ -116,7 +116,7 @@ class GatewayCore:
     async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[Block]:
         """The replica's blocks as they arrive (one per DMTD cycle), counted before any re-chunking."""
         async for block in gen:
-            rt.cycle(block.k, block.tau, block.replica)
+            rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
             yield block
 
 

@@ -81,7 +81,7 @@ def ensure_registered(url: str, name: str, variant: str, model: str | None, deco
             tau_max = 8 if decoding_layers else 1
             spec = VariantSpec.model_validate({
                 "name": name, "base_model": model or "smollm2", "num_thinking_layers": layers - d,
-                "num_decoding_layers": d, "tau_max": tau_max, "default_tau": 1,
+                "num_decoding_layers": d, "tau_max": tau_max, "default_tau": 1, "verifier": "base",
                 "description": "base model with DMTD routing (untrained)" if decoding_layers else "plain base model",
             })
         reg.register(spec, status="active", traffic_weight=1.0, make_default=True)

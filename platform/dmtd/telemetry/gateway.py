@@ -88,9 +88,10 @@ class RequestTelemetry:
     def trace_id(self) -> str:
         return trace_ids(self.span)[0]
 
-    def cycle(self, k: int, tau: int, replica: str = "") -> None:
-        """A replica block (one DMTD cycle) arrived: the τ and k histograms of the dashboard."""
-        self.g.live.block(self.variant, k, tau)
+    def cycle(self, k: int, tau: int, replica: str = "", num_drafted: int = 0, num_accepted: int = 0) -> None:
+        """A replica block (one DMTD cycle) arrived: the τ and k histograms of the dashboard, and the drafts of
+        a verified cycle."""
+        self.g.live.block(self.variant, k, tau, num_drafted, num_accepted)
         self.replica = replica or self.replica
 
     def delivered(self, k: int) -> None:

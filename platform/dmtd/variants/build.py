@@ -22,10 +22,11 @@ from dmtd.variants.manifest import (
     read_manifest,
     sha256_file,
 )
+from dmtd_contract.variant_schema import LORA_A_SUFFIX, verifier_of
 
 BASE_TAU_MAX = 8
 LORA_FORMAT = "dmtd-lora-v1"
-LORA_A, LORA_B = ".lora_A", ".lora_B"
+LORA_A, LORA_B = LORA_A_SUFFIX, ".lora_B"
 
 
 def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -174,6 +175,16 @@ def _load_tensors(loaded: LoadedModel, manifest: VariantManifest, tensors: dict[
             own[k].copy_(t.to(own[k].dtype))
 
 
+def variant_verifier(dmtd: DMTDConfig, changed: set[str], base_layers: list[LayerWeights] | None) -> Verifier:
+    """The verifying path of a variant whose files changed the base tensors ``changed`` (``verifier_of``'s rule);
+    ``base_layers``: the base model's decoding-group weights, copied before the variant's were merged."""
+    name = verifier_of(changed, dmtd.decoding_start, dmtd.num_layers, dmtd.head_input)
+    if name == "base" and changed:
+        assert base_layers is not None, "a variant that changes base tensors needs the base copies to verify"
+        return Verifier("base", "replace", base_layers)
+    return own_verifier(dmtd, is_base=not changed)
+
+
 def engine_spec(model: str | None = None, variant: str | None = None, decoding_layers: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu",
                 search_dirs: list[Path] | None = None) -> EngineSpec:
@@ -202,9 +213,7 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
         fits = dmtd.num_layers == loaded.config.num_layers  # else apply_variant_weights names the mismatch
         base_layers = snapshot_decoding_layers(loaded.model, dmtd) if fits else None
         changed = apply_variant_weights(loaded, manifest, root)
-        prefix = tuple(f"layers.{i}." for i in range(dmtd.decoding_start, dmtd.num_layers))
-        verifier = (Verifier("base", "replace", base_layers) if base_layers is not None and changed
-                    and all(k.startswith(prefix) for k in changed) else own_verifier(dmtd, is_base=not changed))
+        verifier = variant_verifier(dmtd, changed, base_layers)
         if manifest.verifier is not None and manifest.verifier != verifier.name:
             raise ManifestError(f"variant {manifest.name!r}: verifier is {manifest.verifier!r} in the manifest, but "
                                 f"its tensors make it {verifier.name!r} (base: changes only in the decoding group)")
