@@ -66,8 +66,10 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     assert out["profile"] == "exact" and out["verifier"] == "base" and out["num_drafted"] > 0
     assert out["tokens_match_tau1"] is True and out["token_ids"] == out["tau1_token_ids"]
     assert "tokens identical to τ = 1's (base model)" in r.stderr and "drafts accepted" in r.stderr
-    # and τ = 1 of the exact profile is the base model itself
-    base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json")
+    assert out["dtype"] == "float32"  # auto precision for the exact profile: bit-for-bit verifier tokens
+    # and τ = 1 of the exact profile is the base model itself (in the same precision)
+    base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json",
+                "--dtype", "float32")
     assert json.loads(base.stdout.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
 
 
