@@ -82,3 +82,10 @@ def test_eval_cli_records_the_exact_profile_and_refuses_bad_input(variants, tiny
     assert rec["tau"]["3"]["acceptance"] == (None if acceptance is None else round(acceptance, 3))
     assert rec["tau"]["3"]["tokens_match"] == 1.0 and rec["draft_threshold"] == 0.2
     assert read_manifest(root).eval is not None  # still a valid manifest
+
+
+def test_eval_runs_its_engines_in_the_asked_precision(variants, tiny_corpus_dir):
+    """int8 engines: the exact profile still gives the (int8) verifier's own tokens; the report says so."""
+    report = evaluate(variants["base"], tiny_corpus_dir, exact_taus=[2], draft_threshold=0.0, quant="int8")
+    assert report["exact"]["tau"]["2"]["tokens_match"] == 1.0
+    assert report["exact"]["tau"]["2"]["drafted"] > 0

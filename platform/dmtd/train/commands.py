@@ -272,6 +272,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-threshold", type=float, default=None,
                    help="exact rows: stop drafting at a draft below this top-1 probability (default: the variant's "
                    "min_confidence)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32",
+                   help="precision of the engines judged and timed (auto: bfloat16 on a CPU with AVX-512); the "
+                   "judge and the teacher-forced agreement stay float32")
+    p.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
+                   help="weight-only quantisation of the engines judged and timed")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--png", type=Path, default=None, help="plot quality and speed against τ, and the frontier")
     p.add_argument("--record", action="store_true",
@@ -311,6 +316,10 @@ def run_eval(args: argparse.Namespace) -> int:
               "draft_threshold"):
         if getattr(args, k) is not None:
             setattr(cfg, k, getattr(args, k))
+    from dmtd.engine.lowbit import resolve_dtype, weight_format
+
+    cfg.dtype, cfg.quant = resolve_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu"), args.quant
+    weight_format(cfg.dtype, cfg.quant)  # a quantisation this machine cannot run: refused before any work
     if any(t < 1 or t > manifest.tau_max for t in cfg.taus + cfg.frontier_taus):
         raise TrainInputError(f"taus must lie in 1..{manifest.tau_max} (the variant's tau_max)")
     if any(t < 2 or t > manifest.tau_max for t in cfg.exact_taus):

@@ -11,6 +11,8 @@ the same routing is the floor.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from tqdm import tqdm
 
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import GenerationResult, LLMEngine
-from dmtd.engine.model import Transformer
+from dmtd.engine.model import LayerWeights, Transformer
 from dmtd.engine.sequence import SamplingParams
 from dmtd.engine.verifier import snapshot_decoding_layers
 from dmtd.train.corpus import Record
@@ -49,6 +51,8 @@ class EvalConfig:
     max_len: int = 512
     exact_taus: list[int] = field(default_factory=lambda: [2, 3, 4])
     draft_threshold: float | None = None  # the exact profile's draft stop; None = the variant's min_confidence
+    dtype: str = "float32"  # of the engines whose outputs are judged and timed (the judge stays float32)
+    quant: str = "none"
 
     @classmethod
     def quick(cls) -> EvalConfig:
@@ -78,12 +82,22 @@ class Evaluator:
         self.plain = DMTDConfig.plain(L, 1)
 
     def engine(self, model: Transformer, dmtd: DMTDConfig, batch: int, exact: bool = False) -> LLMEngine:
-        """An engine over ``model``; ``exact``: with the variant's verifier and draft vocabulary."""
+        """An engine over ``model``; ``exact``: with the variant's verifier and draft vocabulary.
+
+        In ``cfg.dtype`` / ``cfg.quant`` (bfloat16: on a bf16 copy of the model and verifier; judging and
+        teacher forcing stay float32)."""
         model._weights, model.lm_head_t = None, None  # noqa: SLF001 - weights changed since any earlier engine
+        verifier = self.verifier if exact else None
+        if self.cfg.dtype == "bfloat16":
+            model = copy.deepcopy(model).to(torch.bfloat16)
+            if verifier is not None and verifier.layers is not None:
+                verifier = dataclasses.replace(verifier, layers=[
+                    LayerWeights._make(None if t is None else t.to(torch.bfloat16) for t in w)
+                    for w in verifier.layers])
         return LLMEngine(model, self.tokenizer, dmtd,
-                         EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device),
-                         default_cycle_len=1, verifier=self.verifier if exact else None,
-                         draft_vocab=self.draft_vocab if exact else None)
+                         EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device,
+                                      dtype=self.cfg.dtype, quant=self.cfg.quant),
+                         default_cycle_len=1, verifier=verifier, draft_vocab=self.draft_vocab if exact else None)
 
     # -- judged generations -----------------------------------------------------------------------
     @torch.no_grad()
