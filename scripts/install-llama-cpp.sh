@@ -9,8 +9,13 @@ WHEELS=${DMTD_WHEELS:-$HOME/.cache/dmtd/wheels}
 if "$BIN/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
   exit 0
 fi
-command -v cmake >/dev/null && command -v g++ >/dev/null || {
-  echo "building llama-cpp-python needs cmake and g++ (apt-get install cmake g++)" >&2; exit 1; }
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "building llama-cpp-python needs cmake and g++: apt-get install cmake g++, then rerun" >&2; exit 1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ >/dev/null
+fi
 mkdir -p "$WHEELS"
 # The wheel is tied to this CPU (GGML_NATIVE): its name carries the CPU flags it was built for.
 TAG=$(grep -m1 -o -w -E 'avx512f|avx2' /proc/cpuinfo | sort -u | tr '\n' '-')
