@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint bench images clean
+.PHONY: setup demo test lint bench bench-deps images clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,7 @@ test: setup lint
 	bash scripts/install-helm.sh
 	bash scripts/install-redis.sh
 	bash scripts/install-chromium.sh
+	bash scripts/install-llama-cpp.sh
 	bash scripts/check-proto.sh
 	IMAGES_OPTIONAL=1 bash scripts/build-images.sh
 	$(BIN)/python -m pytest -q
@@ -41,8 +42,12 @@ test: setup lint
 images:
 	bash scripts/build-images.sh
 
-bench: setup
-	$(BIN)/dmtd bench engine --json docs/figures/bench_engine.json
+# llama.cpp for `dmtd bench engine --llama-cpp` (compiled once for this CPU; the wheel is cached).
+bench-deps: setup
+	bash scripts/install-llama-cpp.sh
+
+bench: bench-deps
+	$(BIN)/dmtd bench engine --llama-cpp --json docs/figures/bench_engine.json
 	$(BIN)/dmtd bench autoscale --json docs/figures/autoscale.json --png docs/figures/autoscale.png
 
 clean:

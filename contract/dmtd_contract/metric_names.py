@@ -17,6 +17,9 @@ Source = Literal["gateway", "replica"]
 
 GATEWAY_LABELS = ("deployment", "variant")
 REPLICA_LABELS = ("deployment", "variant", "replica")
+# The `position` label of the exact profile's per-position counters: 1 = the first tail after a cycle's head.
+# A cycle has at most tau - 1 <= 15 tails (tau <= 16 in every variant), so the label takes at most 15 values.
+MAX_DRAFT_POSITION = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,30 @@ HEAD_STEPS_TOTAL = MetricName(
 TAIL_STEPS_TOTAL = MetricName(
     "dmtd_tail_steps_total", "counter", "Token positions decoded as tails (decoding layers only).", REPLICA_LABELS,
 )
+DRAFTED_TOKENS_TOTAL = MetricName(
+    "dmtd_drafted_tokens_total", "counter",
+    "Exact profile: tail tokens drafted and checked by the next head (the verifier).", REPLICA_LABELS,
+)
+ACCEPTED_TOKENS_TOTAL = MetricName(
+    "dmtd_accepted_tokens_total", "counter",
+    "Exact profile: drafts the verifier accepted (and streamed); with the verifier's own token per cycle they "
+    "are the exact requests' output.", REPLICA_LABELS,
+)
+DRAFTED_BY_POSITION_TOTAL = MetricName(
+    "dmtd_drafted_by_position_total", "counter",
+    "Exact profile: drafts checked, by tail position in the cycle (1 = the first tail after the head).",
+    (*REPLICA_LABELS, "position"),
+)
+ACCEPTED_BY_POSITION_TOTAL = MetricName(
+    "dmtd_accepted_by_position_total", "counter",
+    "Exact profile: drafts accepted, by tail position in the cycle (a draft is accepted only if every draft "
+    "before it in the cycle was).", (*REPLICA_LABELS, "position"),
+)
+ACCEPTED_PER_CYCLE = MetricName(
+    "dmtd_accepted_per_cycle", "histogram",
+    "Exact profile: drafts accepted per verified cycle that drafted (the cycle emits these plus the verifier's "
+    "token); mean = _sum / _count.", REPLICA_LABELS,
+)
 ENGINE_STEPS_TOTAL = MetricName(
     "dmtd_engine_steps_total", "counter", "Batched engine steps, by kind (prefill, decode).",
     (*REPLICA_LABELS, "kind"),
@@ -148,6 +175,11 @@ ALL: tuple[MetricName, ...] = (
     CYCLES_CUT_TOTAL,
     HEAD_STEPS_TOTAL,
     TAIL_STEPS_TOTAL,
+    DRAFTED_TOKENS_TOTAL,
+    ACCEPTED_TOKENS_TOTAL,
+    DRAFTED_BY_POSITION_TOTAL,
+    ACCEPTED_BY_POSITION_TOTAL,
+    ACCEPTED_PER_CYCLE,
     ENGINE_STEPS_TOTAL,
     ENGINE_LOOP_RESTARTS_TOTAL,
     QUEUE_DEPTH,

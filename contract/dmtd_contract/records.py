@@ -33,7 +33,7 @@ class ReplicaRequest:
     tau_min: int = 0
     tau_max: int = 0
     min_confidence: float | None = None
-    profile: str = "adaptive"
+    profile: str = ""  # "" = the variant's default profile; else adaptive / quality / balanced / speed / exact
     arrival_s: float = 0.0
     traceparent: str = ""  # W3C trace context of the gateway span: the replica span becomes its child
     sent_s: float = 0.0  # wall time the gateway handed it to Ray (the request's Ray hop, in the replica span)

@@ -93,6 +93,25 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Exact profile: draft acceptance",
+        "percentunit",
+        [
+            ("acceptance {{deployment}}/{{variant}}",
+             f"{_rate(m.ACCEPTED_TOKENS_TOTAL, VARIANT)} / {_rate(m.DRAFTED_TOKENS_TOTAL, VARIANT)}"),
+            ("acceptance at tail {{position}}",
+             f"{_rate(m.ACCEPTED_BY_POSITION_TOTAL, 'position')} / {_rate(m.DRAFTED_BY_POSITION_TOTAL, 'position')}"),
+        ],
+    ),
+    (
+        "Exact profile: drafts and accepted per cycle",
+        "short",
+        [
+            ("drafted tokens/s {{deployment}}/{{variant}}", _rate(m.DRAFTED_TOKENS_TOTAL, VARIANT)),
+            ("accepted tokens/s {{deployment}}/{{variant}}", _rate(m.ACCEPTED_TOKENS_TOTAL, VARIANT)),
+            ("mean accepted per verified cycle {{deployment}}/{{variant}}", _mean(m.ACCEPTED_PER_CYCLE, VARIANT)),
+        ],
+    ),
+    (
         "Replicas, batch and GPU utilisation",
         "short",
         [

@@ -38,6 +38,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 PROFILES = ("dmtd", "exact")
+SERVER_PROFILES = ("quality", "balanced", "speed")  # the replica controller's; "dmtd" there is its adaptive one
 
 
 def default_variant() -> str:
@@ -64,10 +65,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-confidence", type=float, default=None,
                    help="end a cycle early when a tail token's top-1 probability is below this (with "
                    "--profile exact: stop drafting there)")
-    p.add_argument("--profile", choices=PROFILES, default=None,
+    p.add_argument("--profile", choices=PROFILES + SERVER_PROFILES, default=None,
                    help="'dmtd': tails emit their tokens (gated); 'exact': verified cycles — tails are drafts "
                    "the next head checks, so the output is the verifier's (the base model for adapter "
-                   "variants); default: the variant's")
+                   "variants); with --server also the controller's 'quality', 'balanced', 'speed' (and 'dmtd' "
+                   "is its adaptive profile); default: the variant's")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -77,9 +79,30 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--compare-tau1", action="store_true",
-                   help="then run the same request at τ = 1 on the same engine and report the speedup")
+                   help="then run the same request at τ = 1 on the same engine (or server) and report the speedup; "
+                   "for the exact profile, greedy, also whether the tokens are τ = 1's")
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="generate through a running dmtd gateway (gRPC) instead of a local engine")
+    add_precision_args(p)
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512, else float32; float32 "
+                   "for the exact profile, whose tokens are then the verifier's bit for bit; the default unless "
+                   "the variant recommends one)")
+    p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
+                   help="weight-only low-bit projections and lm_head (CPU kernels built once for this CPU; "
+                   "default: the variant's recommendation, else none)")
+
+
+def check_generation_args(args: argparse.Namespace) -> None:
+    """The request's fields checked before any work (model load, connection); errors name the field."""
+    from dmtd.engine.sequence import SamplingParams
+
+    SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, cycle_len=args.tau,
+                   min_confidence=0.0 if args.min_confidence is None else args.min_confidence)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -87,23 +110,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from dmtd.engine.config import EngineConfig
     from dmtd.engine.sequence import SamplingParams
-    from dmtd.variants.build import build_engine, engine_spec
+    from dmtd.variants.build import build_engine, engine_spec, variant_precision
 
     if args.prompt is None and args.chat is None:
         raise UsageError("one of --prompt or --chat is required")
     if args.greedy and args.temperature:
         raise UsageError("--greedy and --temperature > 0 contradict each other")
+    check_generation_args(args)
     if args.server:
-        if args.compare_tau1:
-            raise UsageError("--compare-tau1 measures a local engine; against a server use `dmtd bench serve`")
         return cmd_generate_remote(args)
+    if args.profile in SERVER_PROFILES:
+        raise UsageError(f"--profile {args.profile}: the replica controller's profiles ({', '.join(SERVER_PROFILES)}) "
+                         "apply only with --server")
     variant = args.variant if args.variant is not None else (
         "none" if args.decoding_layers is not None else default_variant())
     if args.decoding_layers is not None and variant != "none":
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = engine_spec(args.model, variant, args.decoding_layers, device=device, search_dirs=[SHIPPED_VARIANTS])
-    engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device))
+    if args.profile is not None:
+        wants_exact: bool | None = args.profile == "exact"
+    else:
+        wants_exact = None  # the variant's default profile decides
+    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS], wants_exact)
+    spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
+                       search_dirs=[SHIPPED_VARIANTS])
+    engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
+                                             quant=quant))
     tau = args.tau if args.tau is not None else spec.default_tau
     profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(
@@ -129,13 +161,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         rate = run.num_accepted / run.num_drafted if run.num_drafted else 0.0
         checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}), "
                    f"verifier {engine.verifier_name}")
+    prec = dtype + ("" if quant == "none" else f" {quant}")
     print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}{checked}, "
-          f"finish={run.finish_reason}]", file=out)
+          f"{prec}, finish={run.finish_reason}]", file=out)
     record = {
         "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "token_ids": tokens,
         "text": "".join(run.text), "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks,
         "tau": tau, "min_confidence": params.min_confidence, "finish_reason": run.finish_reason, "variant": variant,
-        "profile": profile,
+        "profile": profile, "dtype": dtype, "quant": quant,
     }
     if params.exact:
         record.update(verifier=engine.verifier_name, num_drafted=run.num_drafted, num_accepted=run.num_accepted)
@@ -144,16 +177,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # profile that is the verifier alone — the base model's own decoding
         base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0)
         ref = _stream_local(engine, prompt_ids, base, echo=False)
-        speedup = tok_s / ref.tokens_per_s if ref.tokens_per_s > 0 else 0.0
-        match = ""
-        if params.exact and params.greedy:
-            same = ref.tokens == tokens
-            match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + (
-                f" ({engine.verifier_name} model)")
-            record["tokens_match_tau1"] = same
-        print(f"[τ=1 on the same request: {ref.tokens_per_s:.1f} tok/s → speedup {speedup:.2f}× at τ={tau}{gate}"
-              f"{match}]", file=out)
-        record.update(tau1_tokens_per_s=ref.tokens_per_s, speedup_vs_tau1=speedup, tau1_token_ids=ref.tokens)
+        from dmtd.client import compare_with_tau1
+
+        compare_with_tau1(record, tokens, tok_s, ref.tokens, ref.tokens_per_s, f"τ={tau}{gate}",
+                          engine.verifier_name if params.exact and params.greedy else None, out)
     if args.json:
         print(json.dumps(record))
     return 0
@@ -201,12 +228,14 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
 
     if args.decoding_layers is not None or args.model is not None:
         raise UsageError("--model and --decoding-layers choose a local engine; with --server the server decides")
+    profile = {None: "", "dmtd": "adaptive"}.get(args.profile, args.profile)  # "": the variant's default
     try:
         out = generate_to_console(
             args.server, prompt=args.prompt, chat=args.chat, variant=args.variant, as_json=args.json,
-            max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-            tau_min=args.tau or 0, tau_max=args.tau or 0, min_confidence=args.min_confidence,
+            compare_tau1=args.compare_tau1, max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            stop=args.stop, tau_min=args.tau or 0, tau_max=args.tau or 0, min_confidence=args.min_confidence,
+            profile=profile,
         )
     except grpc.RpcError as e:
         code = e.code()

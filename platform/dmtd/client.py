@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import grpc
 
 from dmtd.v1 import generate_pb2 as pb
 from dmtd.v1 import generate_pb2_grpc as pb_grpc
 
-PROFILES = {"adaptive": pb.CYCLE_PROFILE_UNSPECIFIED, "quality": pb.CYCLE_PROFILE_QUALITY,
-            "balanced": pb.CYCLE_PROFILE_BALANCED, "speed": pb.CYCLE_PROFILE_SPEED, "exact": pb.CYCLE_PROFILE_EXACT}
+PROFILES = {"": pb.CYCLE_PROFILE_UNSPECIFIED, "adaptive": pb.CYCLE_PROFILE_ADAPTIVE,
+            "quality": pb.CYCLE_PROFILE_QUALITY, "balanced": pb.CYCLE_PROFILE_BALANCED, "speed": pb.CYCLE_PROFILE_SPEED,
+            "exact": pb.CYCLE_PROFILE_EXACT}  # "": the variant's default profile
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 
@@ -27,7 +29,7 @@ def build_request(prompt: str | None = None, messages: Sequence[dict[str, str]] 
                   max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tau_min: int = 0, tau_max: int = 0, min_confidence: float | None = None,
-                  profile: str = "adaptive", min_block_tokens: int = 0, flush_interval_ms: int = 0,
+                  profile: str = "", min_block_tokens: int = 0, flush_interval_ms: int = 0,
                   request_id: str = "", ignore_eos: bool = False) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=request_id, variant=variant, max_new_tokens=max_new_tokens, stop=list(stop),
@@ -90,51 +92,111 @@ class DMTDClient:
         self.close()
 
 
-def generate_to_console(target: str, *, prompt: str | None, chat: str | None, variant: str | None,
-                        as_json: bool, **kwargs: Any) -> dict[str, Any]:
-    """What ``dmtd generate --server`` does: stream text, then report tokens/s and the mean block length.
+@dataclass(slots=True)
+class RemoteRun:
+    """One request streamed from a server, as ``dmtd generate --server`` reports it."""
 
-    Returns the same record the local command prints with ``--json`` (decode tokens/s counts from the
-    first block, as the local command counts from the first token), except that ``prompt_token_ids`` is
-    None: the server tokenises the prompt and sends back only ``prompt_tokens``, its length.
-    """
-    import sys
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    finish: str | None = None
+    tau: int = 0
+    taus: set[int] = field(default_factory=set)
+    prompt_tokens: int = 0
+    variant: str = ""
+    num_drafted: int = 0
+    num_accepted: int = 0
+    verifier: str = ""
+
+
+def stream_run(client: DMTDClient, echo: bool, **kwargs: Any) -> RemoteRun:
+    """Stream one request; decode tokens/s counts from the first block (as the local command from the first
+    token)."""
     import time
 
-    messages = [{"role": "user", "content": chat}] if chat is not None else None
-    tokens: list[int] = []
-    blocks: list[int] = []
-    text: list[str] = []
+    run = RemoteRun()
     t_first = t_last = 0.0
     first_k = 0
-    finish = None
-    tau = 0
-    prompt_tokens = 0
-    served_by = ""
-    with DMTDClient(target) as client:
-        for b in client.generate(prompt=prompt, messages=messages, variant=variant or "", **kwargs):
-            now = time.perf_counter()
-            if not blocks:
-                t_first, first_k = now, len(b.token_ids)
-            t_last = now
-            tokens.extend(b.token_ids)
-            if b.token_ids:
-                blocks.append(len(b.token_ids))
-            text.append(b.text)
-            tau, served_by = b.tau, b.variant
-            if not as_json:
-                print(b.text, end="", flush=True)
-            if b.finish_reason:
-                finish = FINISH_NAMES.get(b.finish_reason, "stop")
-                prompt_tokens = b.usage.prompt_tokens
+    for b in client.generate(**kwargs):
+        now = time.perf_counter()
+        if not run.blocks:
+            t_first, first_k = now, len(b.token_ids)
+        t_last = now
+        run.tokens.extend(b.token_ids)
+        if b.token_ids:
+            run.blocks.append(len(b.token_ids))
+        run.text.append(b.text)
+        run.tau, run.variant = b.tau, b.variant
+        run.taus.add(b.tau)
+        run.num_drafted += b.num_drafted
+        run.num_accepted += b.num_accepted
+        if echo:
+            print(b.text, end="", flush=True)
+        if b.finish_reason:
+            run.finish = FINISH_NAMES.get(b.finish_reason, "stop")
+            run.prompt_tokens, run.verifier = b.usage.prompt_tokens, b.verifier
     dt = t_last - t_first
-    tok_s = (len(tokens) - first_k) / dt if dt > 0 else 0.0
-    mean_block = sum(blocks) / len(blocks) if blocks else 0.0
+    run.tokens_per_s = (len(run.tokens) - first_k) / dt if dt > 0 else 0.0
+    return run
+
+
+def generate_to_console(target: str, *, prompt: str | None, chat: str | None, variant: str | None,
+                        as_json: bool, compare_tau1: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """What ``dmtd generate --server`` does: stream text, then report tokens/s and the mean block length (and,
+    for the exact profile, the drafts accepted and the verifier).
+
+    Returns the same record the local command prints with ``--json``, except that ``prompt_token_ids`` is
+    None: the server tokenises the prompt and sends back only ``prompt_tokens``, its length. With
+    ``compare_tau1`` the same request runs again at τ = 1 (gate 0; for the exact profile: the verifier alone)
+    and the record gains its tokens/s, the speedup and, greedy and exact, whether the tokens are the same.
+    """
+    import sys
+
+    messages = [{"role": "user", "content": chat}] if chat is not None else None
+    out = sys.stderr if as_json else sys.stdout
+    request = {"prompt": prompt, "messages": messages, "variant": variant or "", **kwargs}
+    with DMTDClient(target) as client:
+        run = stream_run(client, not as_json, **request)
+        ref = None
+        if compare_tau1:
+            ref = stream_run(client, False, **{**request, "tau_min": 1, "tau_max": 1, "min_confidence": 0.0})
     if not as_json:
         print()
-    print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}, finish={finish}]",
-          file=sys.stderr if as_json else sys.stdout)
-    # The server tokenises the prompt and reports only its length: the ids are not known here (None).
-    return {"prompt_token_ids": None, "prompt_tokens": prompt_tokens, "token_ids": tokens, "text": "".join(text),
-            "tokens_per_s": tok_s, "mean_block_len": mean_block, "block_lens": blocks, "tau": tau,
-            "finish_reason": finish, "variant": served_by, "server": target}
+    mean_block = sum(run.blocks) / len(run.blocks) if run.blocks else 0.0
+    checked = ""
+    if run.verifier:  # the server ran verified cycles
+        rate = run.num_accepted / run.num_drafted if run.num_drafted else 0.0
+        checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}), "
+                   f"verifier {run.verifier}")
+    print(f"[{len(run.tokens)} tokens, {run.tokens_per_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={run.tau}"
+          f"{checked}, finish={run.finish}]", file=out)
+    record: dict[str, Any] = {
+        "prompt_token_ids": None, "prompt_tokens": run.prompt_tokens, "token_ids": run.tokens,
+        "text": "".join(run.text), "tokens_per_s": run.tokens_per_s, "mean_block_len": mean_block,
+        "block_lens": run.blocks, "tau": run.tau, "finish_reason": run.finish, "variant": run.variant,
+        "server": target, "profile": "exact" if run.verifier else "dmtd",
+    }
+    if run.verifier:
+        record.update(verifier=run.verifier, num_drafted=run.num_drafted, num_accepted=run.num_accepted)
+    if ref is not None:
+        label, greedy = f"τ={run.tau}", float(kwargs.get("temperature") or 0.0) < 1e-2
+        if ref.taus != {1}:
+            label += f"; the server ran τ in {sorted(ref.taus)}, not 1: its τ range excludes it"
+        compare_with_tau1(record, run.tokens, run.tokens_per_s, ref.tokens, ref.tokens_per_s, label,
+                          run.verifier if greedy and ref.taus == {1} else None, out)
+    return record
+
+
+def compare_with_tau1(record: dict[str, Any], tokens: list[int], tok_s: float, ref_tokens: list[int],
+                      ref_tok_s: float, label: str, verifier: str | None, out: TextIO) -> None:
+    """Report a request against its τ = 1 twin (``--compare-tau1``): the speedup and, given the ``verifier`` of
+    a greedy exact request, whether the tokens are the same; into ``record`` and one line on ``out``."""
+    speedup = tok_s / ref_tok_s if ref_tok_s > 0 else 0.0
+    match = ""
+    if verifier:
+        same = ref_tokens == tokens
+        match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + f" ({verifier} model)"
+        record["tokens_match_tau1"] = same
+    print(f"[τ=1 on the same request: {ref_tok_s:.1f} tok/s → speedup {speedup:.2f}× at {label}{match}]", file=out)
+    record.update(tau1_tokens_per_s=ref_tok_s, speedup_vs_tau1=speedup, tau1_token_ids=ref_tokens)

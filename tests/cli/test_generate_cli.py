@@ -53,8 +53,9 @@ def test_generate_compare_tau1_reports_the_speedup_over_the_same_request(smollm2
                  "--min-confidence", "0", "--json")
     ref = json.loads(plain.stdout.strip().splitlines()[-1])
     assert out["tau1_token_ids"] == ref["token_ids"] and ref["block_lens"] == [1] * len(ref["token_ids"])
+    # against a server --compare-tau1 is taken too (tests/serve/test_exact_surface.py): here none answers
     r = dmtd("generate", "--server", "127.0.0.1:1", "--prompt", "hi", "--compare-tau1")
-    assert r.returncode == 2 and "--compare-tau1" in r.stderr
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_generate_profile_exact_says_its_tokens_are_tau1s():
@@ -65,8 +66,10 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     assert out["profile"] == "exact" and out["verifier"] == "base" and out["num_drafted"] > 0
     assert out["tokens_match_tau1"] is True and out["token_ids"] == out["tau1_token_ids"]
     assert "tokens identical to τ = 1's (base model)" in r.stderr and "drafts accepted" in r.stderr
-    # and τ = 1 of the exact profile is the base model itself
-    base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json")
+    assert out["dtype"] == "float32"  # auto precision for the exact profile: bit-for-bit verifier tokens
+    # and τ = 1 of the exact profile is the base model itself (in the same precision)
+    base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json",
+                "--dtype", "float32")
     assert json.loads(base.stdout.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
 
 
@@ -81,6 +84,13 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     (["--variant", "none"], "one of --prompt or --chat"),
     (["--variant", "no-such-variant", "--prompt", "hi"], "not found"),
     (["--variant", "none", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    # checked before any work: before the (absent) model would load, before the (absent) server is reached
+    (["--model", "/nonexistent/model", "--variant", "none", "--prompt", "hi", "--min-confidence", "1.5"],
+     "min_confidence: must be in [0, 1], got 1.5"),
+    (["--server", "127.0.0.1:1", "--profile", "exact", "--prompt", "hi", "--min-confidence", "-0.1"],
+     "min_confidence: must be in [0, 1], got -0.1"),
+    (["--server", "127.0.0.1:1", "--prompt", "hi", "--tau", "0"], "tau: must be >= 1"),
+    (["--profile", "quality", "--prompt", "hi"], "--profile quality: the replica controller's profiles"),
 ])
 def test_bad_input_exits_2_naming_the_problem(args, words):
     r = dmtd("generate", *args)
@@ -91,7 +101,8 @@ def test_bad_input_exits_2_naming_the_problem(args, words):
 def test_bench_engine_writes_json_and_png(tmp_path: Path):
     path = tmp_path / "bench.json"
     r = dmtd("bench", "engine", "--batch-sizes", "1,2", "--taus", "2", "--new-tokens", "6", "--prompt-len", "16",
-             "--repeats", "1", "--exact-taus", "2", "--json", str(path), timeout=600)
+             "--repeats", "1", "--exact-taus", "2", "--precisions", "float32,int8", "--quality-prompts", "2",
+             "--quality-tokens", "8", "--llama-cpp", "--json", str(path), timeout=900)
     assert r.returncode == 0, r.stderr
     data = json.loads(path.read_text())
     exact = data["exact"]
@@ -102,12 +113,23 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
         assert row["tok_s"] > 0 and 0 < row["pct_of_bound"] <= 1.0 and row["check_cost"] > 0
         if row["system"] == "exact2":
             assert row["acceptance"] is not None and 0 <= row["acceptance"] <= 1 and row["tail_cost"] > 0
-    systems = {(row["batch"], row["system"]) for row in data["rows"]}
-    assert systems == {(b, s) for b in (1, 2) for s in ("hf", "engine", "dmtd2")}
+    systems = {(row["batch"], row["precision"], row["system"]) for row in data["rows"]}
+    assert systems == {(b, p, s) for b in (1, 2) for p in ("float32", "int8") for s in ("engine", "dmtd2")} | {
+        (1, "float32", "hf"), (2, "float32", "hf"), (1, "gguf-q4_1", "llama.cpp")}
     for row in data["rows"]:
         assert row["tok_s"] > 0 and row["bound_tok_s"] > 0
         if row["system"] == "dmtd2":
             assert 1.0 < row["bound_speedup"] < 2.0
+        if row["batch"] == 1:  # every batch-1 row is set against llama.cpp's, measured in the same run
+            assert row["speedup_vs_llama_cpp"] > 0
+    int8 = next(r for r in data["rows"] if r["precision"] == "int8" and r["system"] == "engine" and r["batch"] == 1)
+    fp32 = next(r for r in data["rows"] if r["precision"] == "float32" and r["system"] == "engine" and r["batch"] == 1)
+    assert int8["bytes_per_token"] < 0.3 * fp32["bytes_per_token"]
+    quality = data["quality"]["by_precision"]
+    assert set(quality) == {"float32", "int8", "llama.cpp"}
+    assert quality["float32"]["agree_prefix_frac"] == 1.0 and quality["float32"]["judge_ppl_ratio"] == 1.0
+    for q in quality.values():
+        assert 0 <= q["agree_prefix_frac"] <= 1 and q["judge_ppl"] > 1
     assert data["machine"]["matvec_gb_s"] > 0
     assert path.with_suffix(".png").stat().st_size > 10_000
     assert path.with_name(path.stem + "_exact.png").stat().st_size > 10_000

@@ -40,7 +40,9 @@ def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_sc
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True),
                     default_cycle_len=1, eos_token_ids=[])
     # costs as measured on a memory-bound machine: extra check positions and tails are cheap
-    eng.pass_costs = PassCosts(checks={(4, r): 1.0 + 0.02 * r for r in range(1, 5)}, drafts={4: 0.25})
+    # (for every batch size the run passes through as requests finish, so no step's own timing enters)
+    eng.pass_costs = PassCosts(checks={(b, r): 1.0 + 0.02 * r for b in range(1, 5) for r in range(1, 5)},
+                               drafts={b: 0.25 for b in range(1, 5)})
     eng.pass_costs.decay = 1.0  # keep these costs (the tiny model's own timings are not the point here)
     got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]

@@ -60,3 +60,27 @@ def test_manifest_verifier_must_match_what_the_tensors_make(tmp_path):
     (root / "variant.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="verifier is 'variant' in the manifest"):
         engine_spec(None, str(root))
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_block_with_what_was_emitted(engines):
+    """Tokens counted are tokens streamed: the block holds the emitted tokens, accepted counts only those."""
+    variant, _ = engines
+    prompt = [{"role": "user", "content": CHATS[0]}]
+    params = SamplingParams(max_new_tokens=48, cycle_len=4, exact=True)
+    outs = list(variant.stream(prompt, params))
+    ends = [i for i, o in enumerate(outs) if o.block and len(o.block) >= 3 and o.num_accepted >= 2]
+    assert ends, "no cycle accepted two drafts on this prompt"
+    start = ends[0] - len(outs[ends[0]].block) + 1  # the block's first token, an accepted draft; so is the next
+    text = "".join(o.text_delta for o in outs)
+    before = "".join(o.text_delta for o in outs[: start + 1])
+    stop = outs[start + 1].text_delta  # the second draft's text, first seen there
+    assert stop.strip() and text.find(stop) == len(before)
+    r = variant.generate([prompt], SamplingParams(max_new_tokens=48, cycle_len=4, exact=True, stop=[stop]))[0]
+    assert r.finish_reason == "stop" and r.text == before
+    assert r.token_ids == [o.token_id for o in outs[: start + 2]]
+    assert [t for b in r.blocks for t in b] == r.token_ids and r.blocks[-1] == r.token_ids[-2:]
+    assert r.num_accepted + sum(r.head_flags) == len(r.token_ids)  # every token: an accepted draft or a head's
+    assert sum(r.accepted_by_pos) == r.num_accepted and r.accepted_by_pos[:2] <= r.drafted_by_pos[:2]
+    last = [o for o in variant.stream(prompt, SamplingParams(max_new_tokens=48, cycle_len=4, exact=True,
+                                                             stop=[stop]))][-1]
+    assert last.finished and last.block == r.token_ids[-2:] and last.num_accepted == 2

@@ -57,10 +57,11 @@ def test_register_list_show_promote_weight_retire(registry_url: str, tmp_path: P
     got = dmtd(registry_url, "list")
     assert got.returncode == 0, got.stderr
     header, row, footer = got.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "STATUS", "DEFAULT", "WEIGHT", "SHARE", "TAU", "MIN_CONF", "E/T/D", "REV",
-                              "BASE"]
-    assert row.split() == ["smollm2-d8", "active", "*", "0.25", "100%", "2..4", "(3)", "0", "0/22/8", "3",
-                           "smollm2"]
+    assert header.split() == ["NAME", "STATUS", "DEFAULT", "WEIGHT", "SHARE", "TAU", "MIN_CONF", "PROFILE",
+                              "VERIFIER", "E/T/D", "REV", "BASE"]
+    # the weights file is no safetensors file: its tensors, and so the verifier, are unknown ("?")
+    assert row.split() == ["smollm2-d8", "active", "*", "0.25", "100%", "2..4", "(3)", "0", "dmtd", "?", "0/22/8",
+                           "3", "smollm2"]
     assert footer == "registry revision 3, 1 variant(s)"
 
     got = dmtd(registry_url, "show", "smollm2-d8", "--json")
@@ -90,7 +91,8 @@ def test_bad_input_exits_2_naming_field_and_rule(registry_url: str, tmp_path: Pa
     (["set-weight", "v", "1.5"], "traffic_weight: input should be less than or equal to 1"),
     (["set-weight", "v", "lots"], "traffic_weight: must be a number in [0, 1] or a percentage"),
     (["set", "v", "--tau-min", "9"], "tau_min: must be <= tau_max (4), got 9"),
-    (["set", "v"], "fields: give at least one of"),
+    (["set", "v"], "fields: give at least one of --min-confidence, --tau-min, --tau-max, --default-tau, "
+                   "--default-profile, --description"),
     (["promote", "ghost"], "variant 'ghost' not found"),
     (["retire", "ghost"], "variant 'ghost' not found"),
 ])
@@ -124,3 +126,53 @@ def test_register_checks_files_and_duplicates(registry_url: str, tmp_path: Path,
 def test_unreachable_registry_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["variants", "list", "--registry", "redis://127.0.0.1:1/0"]) == 1
     assert "unavailable" in capsys.readouterr().err
+
+
+def safetensors_variant(root: Path, name: str, tensors: list[str], kind: str = "weights", **manifest: object) -> Path:
+    """A variant folder whose weights (or adapter) file is a real safetensors file holding ``tensors``."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = root / name
+    folder.mkdir(parents=True)
+    path = folder / f"{kind}.safetensors"
+    save_file({t: torch.zeros(2, 2) for t in tensors}, str(path))
+    data: dict[str, object] = {"name": name, "num_thinking_layers": 22, "num_decoding_layers": 8, "tau_max": 4,
+                               "default_tau": 3, kind: path.name,
+                               f"{kind}_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), **manifest}
+    (folder / "variant.json").write_text(json.dumps(data))
+    return folder
+
+
+def test_entries_name_their_default_profile_and_verifier(registry_url: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Registered from manifests: the default profile as given, the verifier read off the files' tensors."""
+    decoding = safetensors_variant(tmp_path, "dec", ["layers.22.input_layernorm.weight",
+                                                     "layers.29.mlp.down_proj.weight"], default_profile="exact")
+    thinking = safetensors_variant(tmp_path, "think", ["layers.3.self_attn.o_proj.weight.lora_A",
+                                                       "layers.3.self_attn.o_proj.weight.lora_B"], kind="adapter")
+    for folder in (decoding, thinking):
+        assert main(["variants", "register", str(folder), "--status", "active", "--registry", registry_url]) == 0
+    capsys.readouterr()
+    with RegistryClient(registry_url) as client:
+        dec, think = client.get("dec"), client.get("think")
+    assert (dec.default_profile, dec.verifier) == ("exact", "base")
+    assert (think.default_profile, think.verifier) == ("dmtd", "variant")
+    got = dmtd(registry_url, "list")
+    rows = {line.split()[0]: line.split() for line in got.stdout.splitlines()[1:-1]}
+    assert rows["dec"][-5:-3] == ["exact", "base"] and rows["think"][-5:-3] == ["dmtd", "variant"]
+
+    assert main(["variants", "set", "dec", "--default-profile", "dmtd", "--registry", registry_url]) == 0
+    with RegistryClient(registry_url) as client:
+        assert client.get("dec").default_profile == "dmtd" and client.get("dec").revision == 2
+    got = dmtd(registry_url, "set", "dec", "--default-profile", "fast")
+    assert got.returncode == 2 and "--default-profile: invalid choice: 'fast'" in got.stderr
+    # a manifest that names its verifier keeps it; one whose name contradicts a field is refused
+    named = safetensors_variant(tmp_path, "named", ["layers.3.mlp.down_proj.weight"], verifier="base")
+    assert main(["variants", "register", str(named), "--registry", registry_url]) == 0
+    with RegistryClient(registry_url) as client:
+        assert client.get("named").verifier == "base"
+    bad = safetensors_variant(tmp_path, "bad", ["layers.22.input_layernorm.weight"], default_profile="fast")
+    capsys.readouterr()
+    assert main(["variants", "register", str(bad), "--registry", registry_url]) == 2
+    assert "default_profile: input should be 'dmtd' or 'exact'" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import pytest
 from dmtd.variants.manifest import VariantManifest
 from dmtd_contract.registry import InvalidVariant, VariantEntry, VariantSpec
 from dmtd_contract.registry.entry import validated
+from dmtd_contract.variant_schema import verifier_of
 from tests.registry.conftest import spec
 
 SHA = "ab" * 32
@@ -65,6 +66,8 @@ def test_manifest_json_defaults_match_the_manifest_class() -> None:
     raw = {"name": "plain", "num_thinking_layers": 22, "num_decoding_layers": 8, "recipe": None}
     ours = VariantSpec.from_manifest(raw).to_manifest_dict()
     theirs = VariantManifest.model_validate(json.loads(json.dumps(raw))).model_dump()
+    # the manifest leaves the verifier to be derived at load; the registry derives it at registration
+    assert theirs["verifier"] is None and ours.pop("verifier") == "base"  # no files, replace heads: the base
     assert {k: theirs[k] for k in ours} == ours
 
 
@@ -78,3 +81,31 @@ def test_entry_spec_drops_lifecycle_fields() -> None:
     entry = VariantEntry.model_validate({**spec().model_dump(), "status": "active", "traffic_weight": 0.5})
     assert entry.spec == spec()
     assert type(entry.spec) is VariantSpec
+
+
+@pytest.mark.parametrize(("changed", "head_input", "want"), [
+    (set(), "replace", "base"), (set(), "residual_add", "variant"),
+    ({"layers.22.mlp.down_proj.weight", "layers.29.input_layernorm.weight"}, "residual_add", "base"),
+    ({"layers.2.mlp.down_proj.weight"}, "replace", "variant"),  # layers.2. is not layers.22.
+    ({"layers.22.mlp.down_proj.weight", "norm.weight"}, "replace", "variant"),
+])
+def test_verifier_rule(changed: set[str], head_input: str, want: str) -> None:
+    assert verifier_of(changed, 22, 30, head_input) == want
+
+
+def test_registry_and_engine_derive_the_same_verifier_for_the_shipped_variant(tmp_path: Path) -> None:
+    import shutil
+
+    from dmtd.variants.build import engine_spec
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    root = tmp_path / "v"
+    shutil.copytree(SHIPPED_VARIANTS / "smollm2-135m-dmtd", root)
+    data = json.loads((root / "variant.json").read_text())
+    data.pop("verifier")
+    data["default_profile"] = "exact"
+    (root / "variant.json").write_text(json.dumps(data))
+    got = VariantSpec.from_manifest(data, root / "variant.json")
+    assert (got.verifier, got.default_profile) == (engine_spec(None, str(root)).verifier.name, "exact") == \
+        ("base", "exact")
+    assert VariantManifest.model_validate(got.to_manifest_dict()).default_profile == "exact"

@@ -55,7 +55,8 @@ def start_registry(workdir) -> tuple[object, str]:
     proc, url = _start(exe, workdir)
     with RegistryClient(url) as reg:
         reg.register(VariantSpec(name=VARIANT, num_thinking_layers=22, num_decoding_layers=8, tau_min=1, tau_max=4,
-                                 default_tau=1, min_confidence=0.0), status="active", traffic_weight=1.0)
+                                 default_tau=1, min_confidence=0.0, verifier="base"), status="active",
+                     traffic_weight=1.0)
         reg.set_default(VARIANT)
     return proc, url
 
@@ -75,7 +76,8 @@ def stack(tmp_path_factory):
     http_port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     app = build_app({
-        "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4}],
+        # float32: the exact-profile streams are checked against float32 references token for token
+        "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4, "dtype": "float32"}],
         "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
         "registry_url": registry_url, "itl_slo_ms": 5000.0,  # no ITL pressure: tests see the operating point
         "omp_wait_policy": "PASSIVE",  # the replica shares 2 cores with the test process, Ray and the gateway

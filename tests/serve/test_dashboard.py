@@ -41,16 +41,26 @@ def test_stats_endpoint_and_assets_are_local(stack):
     assert {"variants", "series", "slo", "usd_per_replica_hour"} <= stats.keys()
 
 
+def exact_totals(stack) -> tuple[int, int]:
+    stats = json.loads(urllib.request.urlopen(stack.http_url + "/dashboard/stats", timeout=10).read())
+    exact = stats["variants"].get(VARIANT, {}).get("exact") or {"accepted": 0, "drafted": 0}
+    return exact["accepted"], exact["drafted"]
+
+
 def test_dashboard_in_headless_chromium(stack, browser):
+    accepted0, drafted0 = exact_totals(stack)  # the gateway counts since it started: earlier tests' too
     with DMTDClient(stack.grpc_target) as c:
         for i in range(3):
             list(c.generate(prompt=f"Dashboard traffic {i}:", max_new_tokens=12, ignore_eos=True, tau_min=2,
                             tau_max=3))
+        exact = list(c.generate(prompt="Dashboard traffic, verified:", max_new_tokens=12, ignore_eos=True,
+                                tau_min=3, tau_max=3, min_confidence=0.0, profile="exact"))
     browser.navigate(stack.http_url + "/dashboard")
     ready = browser.wait_for(
         f"document.querySelector('.card[data-variant=\"{VARIANT}\"]') !== null && "
         "['chart-k', 'chart-tau', 'chart-latency', 'chart-throughput'].every("
-        "id => Number(document.getElementById(id).dataset.points || 0) > 0)")
+        "id => Number(document.getElementById(id).dataset.points || 0) > 0) && "
+        "Number(document.getElementById('chart-acceptance').dataset.groups || 0) > 0")
     charts = browser.evaluate("JSON.stringify(Object.fromEntries(['chart-k', 'chart-tau', 'chart-latency', "
                               "'chart-throughput'].map(id => [id, document.getElementById(id).dataset.points])))")
     shot = browser.screenshot(ARTIFACTS / "dashboard.png")
@@ -58,6 +68,11 @@ def test_dashboard_in_headless_chromium(stack, browser):
     card = browser.evaluate(f"Object.fromEntries([...document.querySelectorAll('.card[data-variant=\"{VARIANT}\"] "
                             "td.v')].map(td => [td.dataset.key, td.textContent]))")
     assert card["usd"].startswith("$") and float(card["tok-s"]) > 0 and card["tau"] in ("1", "2", "3", "4")
+    # the exact request's drafts: accepted / drafted on the card, by tail position on the chart (τ = 3: two)
+    drafted, accepted = drafted0 + sum(b.num_drafted for b in exact), accepted0 + sum(b.num_accepted for b in exact)
+    assert drafted > drafted0 and card["exact-acceptance"].startswith(f"{accepted} / {drafted} (")
+    assert exact_totals(stack) == (accepted, drafted)
+    assert int(browser.evaluate("document.getElementById('chart-acceptance').dataset.groups")) >= 2
     # a canvas with content is not blank: some pixel differs from the background
     painted = browser.evaluate("(() => { const c = document.getElementById('chart-k'); "
                                "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; "

@@ -33,22 +33,28 @@ def urls(stack) -> tuple[str, str]:
     return gw, rep
 
 
-def test_counts_and_sums_match_the_traffic(stack):
-    gw_url, rep_url = urls(stack)
-    wait_idle(stack)
-    g0, r0 = scrape(gw_url), scrape(rep_url)
+def concurrent_streams(stack, requests: list[dict]) -> dict[int, list]:
+    """Each request's blocks, the requests streamed at the same time (one client and thread each)."""
     streams: dict[int, list] = {}
 
     def run(i: int) -> None:
         with DMTDClient(stack.grpc_target) as c:
-            streams[i] = list(c.generate(prompt=f"Fact {i}:", max_new_tokens=10 + i, ignore_eos=True, tau_min=1,
-                                         tau_max=3))
+            streams[i] = list(c.generate(**requests[i]))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    return streams
+
+
+def test_counts_and_sums_match_the_traffic(stack):
+    gw_url, rep_url = urls(stack)
+    wait_idle(stack)
+    g0, r0 = scrape(gw_url), scrape(rep_url)
+    streams = concurrent_streams(stack, [dict(prompt=f"Fact {i}:", max_new_tokens=10 + i, ignore_eos=True, tau_min=1,
+                                              tau_max=3) for i in range(3)])
     wait_idle(stack)
     g1, r1 = scrape(gw_url), scrape(rep_url)
 
@@ -84,6 +90,9 @@ def test_counts_and_sums_match_the_traffic(stack):
 
 def test_gauges_and_every_documented_metric_is_exported(stack):
     gw_url, rep_url = urls(stack)
+    with DMTDClient(stack.grpc_target) as c:  # one verified cycle at least: the exact profile's series exist
+        list(c.generate(prompt="Fact:", max_new_tokens=3, ignore_eos=True, tau_min=2, tau_max=2, profile="exact"))
+    wait_idle(stack)
     g, r = scrape(gw_url), scrape(rep_url)
     assert g["dmtd_inflight_requests"] == 0 and g["dmtd_replicas_ready"] >= 1
     assert r["dmtd_queue_depth"] == 0 and r["dmtd_batch_size"] == 0 and r["dmtd_kv_cache_occupancy"] == 0

@@ -50,6 +50,9 @@ def test_every_query_references_an_exported_metric():
     # the dashboard covers latency SLOs, throughput, τ/k, cost
     assert {m.TTFT_SECONDS.name, m.ITL_SECONDS.name, m.GENERATED_TOKENS_TOTAL.name, m.TAU.name,
             m.BLOCK_LENGTH.name, m.COST_USD_TOTAL.name, m.SLO_REQUESTS_TOTAL.name} <= used
+    # … and the exact profile's drafts: acceptance, acceptance by tail position, accepted per cycle
+    assert {m.DRAFTED_TOKENS_TOTAL.name, m.ACCEPTED_TOKENS_TOTAL.name, m.DRAFTED_BY_POSITION_TOTAL.name,
+            m.ACCEPTED_BY_POSITION_TOTAL.name, m.ACCEPTED_PER_CYCLE.name} <= used
 
 
 def test_selector_parser():

@@ -80,6 +80,22 @@ def test_gateway_request_telemetry_measures_ttft_and_per_token_itl():
     assert stats["itl_ms"]["p50"] == pytest.approx(50.0) and stats["ttft_ms"]["p95"] == pytest.approx(500.0)
     g.rejected("v", "RESOURCE_EXHAUSTED")
     assert samples(g.endpoint.exposition())["dmtd_requests_total"] == 2
+    assert stats["exact"] is None  # no verified cycle yet
+
+
+def test_dashboard_stats_of_verified_cycles():
+    """Blocks of the exact profile: acceptance overall and by tail position, mean accepted per cycle that
+    drafted (a cycle of m drafts with a accepted: positions 1..m drafted, 1..a accepted)."""
+    g = GatewayTelemetry(TelemetrySettings(metrics_port=None))
+    rt = g.start("v", "req-1")
+    for k, drafted, accepted in [(1, 0, 0), (3, 3, 2), (1, 3, 0), (4, 3, 3), (2, 1, 1), (1, 0, 0)]:
+        rt.cycle(k, 4, "r", drafted, accepted)
+    exact = g.stats()["variants"]["v"]["exact"]
+    assert (exact["drafted"], exact["accepted"]) == (10, 6) and exact["acceptance"] == pytest.approx(0.6)
+    assert exact["accepted_per_cycle"] == pytest.approx(6 / 4)  # 4 cycles drafted; the two plain ones do not count
+    by_pos = {p["position"]: (p["drafted"], p["accepted"]) for p in exact["by_position"]}
+    assert by_pos == {1: (4, 3), 2: (3, 2), 3: (3, 1)}
+    assert [p["acceptance"] for p in exact["by_position"]] == pytest.approx([0.75, 2 / 3, 1 / 3])
 
 
 def test_metrics_endpoint_serves_and_skips_a_busy_port():

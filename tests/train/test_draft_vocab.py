@@ -58,3 +58,33 @@ def test_bad_sizes_and_a_tampered_vocabulary_are_refused(tiny_dir, tiny_corpus_d
     (root / "draft_vocab.safetensors").write_bytes(b"garbage")
     with pytest.raises(ManifestError, match="draft_vocab checksum mismatch"):
         engine_spec(None, str(root))
+
+
+def test_the_cli_refuses_bad_sizes_and_a_vocabulary_without_eos_before_any_work(tiny_dir, tiny_corpus_dir, tmp_path,
+                                                                                capsys):
+    """Exit code 2, naming the flag or field: before counting any corpus, before any request runs."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dmtd.cli import main
+
+    root = variant_over(tiny_dir, tmp_path / "v")
+    common = ["draft-vocab", "--corpus", str(tmp_path / "no-corpus"), "--variant", str(root)]  # never read
+    for bad, words in ([["--size", "0"], "--size: must be in 1..97 (the vocabulary), got 0"],
+                       [["--sizes", "8,98"], "--sizes: must be in 1..97 (the vocabulary), got 98"],
+                       [["--sizes", "8,lots"], "--sizes: must be comma-separated integers, got '8,lots'"]):
+        assert main([*common, *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err
+    assert read_manifest(root).draft_vocab is None
+
+    path = root / "draft_vocab.safetensors"  # lacks the tiny model's EOS id (its config's: 2)
+    save_file({"token_ids": torch.tensor([5, 6, 7], dtype=torch.int32)}, str(path))
+    data = json.loads((root / "variant.json").read_text())
+    data.update(draft_vocab=path.name, draft_vocab_sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (root / "variant.json").write_text(json.dumps(data))
+    assert main(["generate", "--variant", str(root), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "draft_vocab lacks the EOS token id(s) [2]" in err and "Traceback" not in err

@@ -26,18 +26,18 @@ CASES = [
 def engine_logits(engine, prompt: list[int], tau: int, n: int) -> tuple[list[int], list[bool], torch.Tensor]:
     """Greedy-generate ``n`` tokens at cycle length ``tau``, capturing the logits of every step."""
     got: list[torch.Tensor] = []
-    orig = engine.runner.model.logits
+    orig = engine.runner.logits
 
     def capture(h: torch.Tensor) -> torch.Tensor:
         out = orig(h)
         got.append(out[0].clone())
         return out
 
-    engine.runner.model.logits = capture
+    engine.runner.logits = capture
     try:
         res = engine.generate([prompt], SamplingParams(max_new_tokens=n, cycle_len=tau, ignore_eos=True))[0]
     finally:
-        del engine.runner.model.logits
+        del engine.runner.logits
     return res.token_ids, res.head_flags, torch.stack(got)
 
 

@@ -37,7 +37,7 @@ from dmtd_contract.registry.routing import RegistrySnapshot
 from dmtd_contract.variant_schema import VariantStatus
 
 #: Fields ``RegistryClient.update`` may change on a registered entry (the rest define what the variant is).
-TUNABLE_FIELDS = ("tau_min", "tau_max", "default_tau", "min_confidence", "description")
+TUNABLE_FIELDS = ("tau_min", "tau_max", "default_tau", "min_confidence", "default_profile", "description")
 _KEY_TYPES = {"string", "none"}
 _SET_TYPES = {"set", "none"}
 

@@ -7,6 +7,7 @@ package and so of torch); ``VariantSpec.from_manifest`` takes a manifest object 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,7 +15,15 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dmtd_contract.registry.errors import InvalidVariant
-from dmtd_contract.variant_schema import HeadInput, PhaseAnchor, VariantStatus
+from dmtd_contract.variant_schema import (
+    DefaultProfile,
+    HeadInput,
+    PhaseAnchor,
+    VariantStatus,
+    VerifierName,
+    changed_tensors,
+    verifier_of,
+)
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -26,7 +35,9 @@ _MANIFEST_FIELDS = {
     "num_thinking_layers": "num_thinking_layers", "num_decoding_layers": "num_decoding_layers",
     "tau_max": "tau_max", "default_tau": "default_tau", "min_confidence": "min_confidence",
     "phase_anchor": "phase_anchor", "head_input": "head_input", "description": "description",
+    "default_profile": "default_profile", "verifier": "verifier",
 }
+_MAX_HEADER_BYTES = 100 << 20
 _LOCATIONS = ("weights", "adapter")
 
 M = TypeVar("M", bound=BaseModel)
@@ -57,6 +68,12 @@ class VariantSpec(BaseModel):
     phase_anchor: PhaseAnchor = Field("prompt_end", description="Where cycles start: 'prompt_end' or 'absolute'")
     head_input: HeadInput = Field("replace", description="Decoding input at heads: 'residual_add' or 'replace'")
     description: str = Field("", description="Free text shown by `dmtd variants show`")
+    default_profile: DefaultProfile = Field(
+        "dmtd", description="Cycle profile of a request that names none: 'dmtd' (gated tails emit their tokens; "
+        "the replica's controller sets τ and the gate) or 'exact' (verified cycles: the output is the verifier's)")
+    verifier: VerifierName | None = Field(
+        None, description="What the exact profile's output equals: 'base' (the base model) or 'variant' (the "
+        "variant's own τ = 1 path); None = not known at registration (the variant's files were not readable)")
 
     @model_validator(mode="after")
     def _check_rules(self) -> VariantSpec:
@@ -89,6 +106,8 @@ class VariantSpec(BaseModel):
                 if isinstance(loc, str) and "://" not in loc:
                     spec[f"{kind}_uri"] = str(folder / loc)
         spec.update(overrides)
+        if spec.get("verifier") is None:
+            spec["verifier"] = _derived_verifier(spec)
         return validated(cls, spec)
 
     def to_manifest_dict(self) -> dict[str, Any]:
@@ -127,6 +146,39 @@ def validated(cls: type[M], data: Mapping[str, Any]) -> M:
         field = ".".join(str(x) for x in first["loc"]) or "variant"
         msg = str(first["msg"])
         raise InvalidVariant(field, msg[:1].lower() + msg[1:]) from e
+
+
+def _derived_verifier(spec: Mapping[str, Any]) -> str | None:
+    """``verifier_of`` the tensors the spec's local weight and adapter files change (their safetensors headers);
+    None when a file is remote or unreadable, or the layer split is not given."""
+    changed: set[str] = set()
+    for kind in _LOCATIONS:
+        uri = spec.get(f"{kind}_uri")
+        if uri is None:
+            continue
+        names = None if "://" in str(uri) else _safetensors_names(Path(str(uri)))
+        if names is None:
+            return None
+        changed |= changed_tensors(names, adapter=kind == "adapter")
+    try:
+        e, t, d = (int(spec.get("num_encoding_layers", 0)), int(spec["num_thinking_layers"]),
+                   int(spec["num_decoding_layers"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return verifier_of(changed, e + t, e + t + d, str(spec.get("head_input", "replace")))
+
+
+def _safetensors_names(path: Path) -> list[str] | None:
+    """Tensor names from a safetensors file's JSON header (no tensor is read); None if it is not one."""
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return None
+    return [str(k) for k in header] if isinstance(header, dict) else None
 
 
 def _as_dict(manifest: Any) -> dict[str, Any]:

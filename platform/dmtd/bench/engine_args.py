@@ -20,5 +20,15 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-threshold", type=float, default=None,
                    help="exact rows: stop drafting at a draft below this top-1 probability (default: the variant's "
                    "min_confidence)")
+    p.add_argument("--precisions", default="float32,bfloat16,int8,int4",
+                   help="weight formats to measure side by side (comma list of float32, bfloat16, int8, int4; "
+                   "int formats keep float32 activations); float32 always runs, as the reference")
+    p.add_argument("--quality-prompts", type=int, default=8,
+                   help="chat prompts of the quality check (greedy agreement with fp32, judge perplexity)")
+    p.add_argument("--quality-tokens", type=int, default=48, help="greedy tokens per quality prompt")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="add llama.cpp (llama-cpp-python, `make bench-deps`) on the package's GGUF at batch 1")
+    p.add_argument("--exact-precision", default="float32", choices=("float32", "bfloat16", "int8", "int4"),
+                   help="precision of the exact-profile rows (float32: their tokens are the verifier's bit for bit)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot path (default: next to --json)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -13,10 +14,10 @@ import torch
 from tqdm import tqdm
 
 from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, run_exact
-from dmtd.bench.roofline import bound_tok_s, measure_rates
-from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.bench.roofline import measure_rates
+from dmtd.engine.config import EngineConfig
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.variants.loader import load_model
 
 PROMPT_TEXT = (
@@ -67,41 +68,71 @@ def bench_engine(engine: LLMEngine, ids: list[int], batch: int, tau: int, new_to
 
 
 def run_engine_bench(args: argparse.Namespace) -> dict:
+    from dmtd.bench import precision_bench as pb
+
     taus = [int(t) for t in str(args.taus).split(",") if t]
     batches = [int(b) for b in str(args.batch_sizes).split(",") if b]
+    if args.draft_threshold is not None and not 0.0 <= args.draft_threshold <= 1.0:  # NaN fails too
+        raise RequestError("--draft-threshold", f"must be in [0, 1], got {args.draft_threshold}")
+    precisions = pb.parse_precisions(args.precisions)
+    if "float32" not in precisions:
+        precisions = ["float32", *precisions]  # the reference every ratio and quality figure is taken against
+    llm = pb.llama_cpp_model(torch.get_num_threads(), args.prompt_len + args.new_tokens + 512) if args.llama_cpp \
+        else None
     torch.manual_seed(0)
     print("measuring this machine's memory bandwidth and matmul throughput ...")
     rates = measure_rates()
     print(f"  copy {rates.copy_gb_s:.1f} GB/s, batch-1 matvec {rates.matvec_gb_s:.1f} GB/s, "
           f"fp32 matmul {rates.matmul_gflop_s:.0f} GFLOP/s")
-    lm = load_model(args.model)
-    cfg = lm.config
-    dmtd = DMTDConfig.plain(cfg.num_layers, args.decoding_layers, tau_max=max(taus + [1]))
-    ids = prompt_ids(lm.tokenizer, args.prompt_len)
+    streams = {p: pb.stream_gb_s(p) for p in precisions}
+    print("  weight streaming per format (GB/s): " + ", ".join(f"{p} {v:.1f}" for p, v in streams.items()))
     context = args.prompt_len + args.new_tokens // 2
-    engine = LLMEngine(lm.model, None, dmtd, EngineConfig(max_num_seqs=max(batches),
-                                                          max_model_len=args.prompt_len + args.new_tokens + 8))
     rows: list[dict[str, Any]] = []
-    jobs = [(b, s) for b in batches for s in (([] if args.no_hf else ["hf"]) + ["engine"] + [f"dmtd{t}" for t in taus])]
-    for b, system in tqdm(jobs, desc="bench engine", unit="config"):
-        tau = 1 if system in ("hf", "engine") else int(system[4:])
-        bound = bound_tok_s(cfg, dmtd if tau > 1 else None, tau, b, context, rates)
-        if system == "hf":
-            r = {"tok_s": bench_hf(lm.path, ids, b, args.new_tokens, args.repeats), "mean_block_len": 1.0}
-        else:
-            r = bench_engine(engine, ids, b, tau, args.new_tokens, args.repeats)
-        rows.append({"batch": b, "system": system, "tau": tau, **r, **bound})
+    quality: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+    judge = None
+    path = None
+    for prec in precisions:
+        engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]),
+                              args.prompt_len + args.new_tokens + 512, args.decoding_layers, max(taus + [1]))
+        if prec == "float32":
+            judge, path = lm.model, lm.path
+        cfg, dmtd = lm.config, engine.dmtd
+        ids = prompt_ids(lm.tokenizer, args.prompt_len)
+        engine.generate([ids], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        systems = (["hf"] if prec == "float32" and not args.no_hf else []) + ["engine"] + [f"dmtd{t}" for t in taus]
+        jobs = [(b, s) for b in batches for s in systems]
+        for b, system in tqdm(jobs, desc=f"bench engine ({prec})", unit="config"):
+            tau = 1 if system in ("hf", "engine") else int(system[4:])
+            bnd = pb.bound(cfg, dmtd if tau > 1 else None, tau, b, context, prec, rates, streams[prec])
+            if system == "hf":
+                assert path is not None
+                r = {"tok_s": bench_hf(path, ids, b, args.new_tokens, args.repeats), "mean_block_len": 1.0}
+            else:
+                r = bench_engine(engine, ids, b, tau, args.new_tokens, args.repeats)
+            rows.append({"batch": b, "system": system, "tau": tau, "precision": prec, **r, **bnd})
+        quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
+        del engine, lm
+    if llm is not None:
+        assert judge is not None
+        tok = load_model(args.model).tokenizer
+        ids = prompt_ids(tok, args.prompt_len)
+        print("llama.cpp (the package's GGUF) ...")
+        tok_s = pb.bench_llama_cpp(llm, ids, args.new_tokens, args.repeats)
+        rows.append({"batch": 1, "system": "llama.cpp", "tau": 1, "precision": "gguf-q4_1", "tok_s": tok_s,
+                     "mean_block_len": 1.0, **pb.bound(judge.config, None, 1, 1, context, "int4", rates,
+                                                      streams.get("int4") or rates.matvec_gb_s)})
+        prompts = quality["float32"][0]
+        quality["llama.cpp"] = (prompts, [pb.llama_generate(llm, p, args.quality_tokens) for p in prompts])
     add_ratios(rows, batches)
-    hf_rows = {r["batch"]: r for r in rows if r["system"] == "hf"}
-    for r in rows:
-        if r["batch"] in hf_rows:
-            r["speedup_vs_hf"] = r["tok_s"] / hf_rows[r["batch"]]["tok_s"]
     exact_rows, variant = exact_section(args, batches)
+    assert judge is not None
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, **rates.to_dict()},
-        "model": str(lm.path), "num_layers": cfg.num_layers, "decoding_layers": args.decoding_layers,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": "float32", "rows": rows,
+                    "torch": torch.__version__, **rates.to_dict(), "stream_gb_s": streams},
+        "model": str(path), "num_layers": judge.config.num_layers, "decoding_layers": args.decoding_layers,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "precisions": precisions, "rows": rows,
+        "quality": {"prompts": args.quality_prompts, "new_tokens": args.quality_tokens,
+                    "by_precision": pb.quality_rows(quality, judge)},
         "exact": {"variant": variant, "rows": exact_rows} if exact_rows else None,
     }
     print_table(result)
@@ -131,10 +162,14 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     taus = [int(t) for t in str(args.exact_taus).split(",") if t]
     if name == "none" or not taus:
         return [], None
-    spec = engine_spec(args.model, name, search_dirs=[SHIPPED_VARIANTS])
+    from dmtd.bench.precision_bench import dtype_quant
+
+    dtype, quant = dtype_quant(args.exact_precision)
+    spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), search_dirs=[SHIPPED_VARIANTS])
     threshold = spec.min_confidence if args.draft_threshold is None else args.draft_threshold
-    engine = build_engine(spec, EngineConfig(max_num_seqs=max(batches), max_model_len=1024))
-    auto = build_engine(spec, EngineConfig(max_num_seqs=max(batches), max_model_len=1024, adaptive_drafts=True))
+    ecfg = EngineConfig(max_num_seqs=max(batches), max_model_len=1024, dtype=dtype, quant=quant)
+    engine = build_engine(spec, ecfg)
+    auto = build_engine(spec, dataclasses.replace(ecfg, adaptive_drafts=True))
     for e in (engine, auto):
         e.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, cycle_len=2, exact=True))  # warm-up
     rows = []
@@ -145,7 +180,8 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
         rows.append({"batch": b, "system": f"auto{tau}" if adaptive else f"exact{tau}", "tau": tau,
                      "adaptive_drafts": adaptive, **r})
     add_exact_ratios(rows)
-    return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None}
+    return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None,
+                  "precision": args.exact_precision}
 
 
 def print_exact_table(exact: dict[str, Any]) -> None:
@@ -162,27 +198,47 @@ def print_exact_table(exact: dict[str, Any]) -> None:
 
 
 def add_ratios(rows: list[dict[str, Any]], batches: list[int]) -> None:
-    """Speedups over engine τ=1 (and over HF) next to the roofline bound's, per batch size."""
+    """Per batch: speedups over the same precision's engine τ = 1 (with its bound's), over fp32 τ = 1, over HF."""
     for b in batches:
-        base = next(r for r in rows if r["batch"] == b and r["system"] == "engine")
+        fp32 = next(r for r in rows if r["batch"] == b and r["system"] == "engine" and r["precision"] == "float32")
+        hf = next((r for r in rows if r["batch"] == b and r["system"] == "hf"), None)
         for r in rows:
-            if r["batch"] == b:
-                r["speedup_vs_engine_tau1"] = r["tok_s"] / base["tok_s"]
-                r["bound_speedup"] = r["bound_tok_s"] / base["bound_tok_s"]
-                r["pct_of_bound_speedup_ratio"] = r["speedup_vs_engine_tau1"] / r["bound_speedup"]
+            if r["batch"] != b:
+                continue
+            own = next((x for x in rows if x["batch"] == b and x["system"] == "engine"
+                        and x["precision"] == r["precision"]), fp32)
+            r["speedup_vs_engine_tau1"] = r["tok_s"] / own["tok_s"]
+            r["bound_speedup"] = r["bound_tok_s"] / own["bound_tok_s"]
+            r["pct_of_bound_speedup_ratio"] = r["speedup_vs_engine_tau1"] / r["bound_speedup"]
+            r["pct_of_bound"] = r["tok_s"] / r["bound_tok_s"]
+            r["speedup_vs_fp32_tau1"] = r["tok_s"] / fp32["tok_s"]
+            if hf is not None:
+                r["speedup_vs_hf"] = r["tok_s"] / hf["tok_s"]
+    llama = next((r for r in rows if r["system"] == "llama.cpp"), None)
+    if llama is not None:
+        for r in rows:
+            if r["batch"] == 1:
+                r["speedup_vs_llama_cpp"] = r["tok_s"] / llama["tok_s"]
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'batch':>5} {'system':>8} {'tok/s':>8} {'×τ=1':>6} {'bound×':>7} {'of bound':>9} "
-          f"{'×HF':>6} {'bound tok/s':>11} {'block':>6}")
+    print(f"\n{'batch':>5} {'precision':>10} {'system':>9} {'tok/s':>8} {'×τ=1':>6} {'×fp32':>6} {'×llama':>7} "
+          f"{'bound':>8} {'of bound':>9} {'block':>6}")
     for r in result["rows"]:
-        hf = f"{r['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in r else "-"
-        print(f"{r['batch']:>5} {r['system']:>8} {r['tok_s']:>8.1f} {r['speedup_vs_engine_tau1']:>6.2f} "
-              f"{r['bound_speedup']:>7.2f} {100 * r['pct_of_bound_speedup_ratio']:>8.0f}% {hf:>6} "
-              f"{r['bound_tok_s']:>11.1f} {r['mean_block_len']:>6.2f}")
+        lc = f"{r['speedup_vs_llama_cpp']:.2f}" if "speedup_vs_llama_cpp" in r else "-"
+        print(f"{r['batch']:>5} {r['precision']:>10} {r['system']:>9} {r['tok_s']:>8.1f} "
+              f"{r['speedup_vs_engine_tau1']:>6.2f} {r['speedup_vs_fp32_tau1']:>6.2f} {lc:>7} "
+              f"{r['bound_tok_s']:>8.1f} {100 * r['pct_of_bound']:>8.0f}% {r['mean_block_len']:>6.2f}")
+    q = result["quality"]
+    print(f"\nquality vs fp32 ({q['prompts']} chat prompts, {q['new_tokens']} greedy tokens, τ = 1)")
+    print(f"{'precision':>10} {'agree':>6} {'1st diff':>8} {'identical':>9} {'judge ppl':>9} {'×fp32':>6}")
+    for name, r in q["by_precision"].items():
+        print(f"{name:>10} {100 * r['agree_prefix_frac']:>5.0f}% {r['first_divergence_median']:>8.0f} "
+              f"{r['identical']:>9.0f} {r['judge_ppl']:>9.3f} {r['judge_ppl_ratio']:>6.2f}")
 
 
 def plot(result: dict, path: Path) -> None:
+    """Per batch: tokens/s × fp32 τ = 1 for every precision and system (llama.cpp at batch 1), bounds as ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,19 +246,24 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
-    systems = [s for s in dict.fromkeys(r["system"] for r in rows)]
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+    colours = {"float32": "#3b7dd8", "bfloat16": "#2f9e6e", "int8": "#d8893b", "int4": "#c0504d",
+               "gguf-q4_1": "#777777"}
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
     for ax, b in zip(axes[0], batches):
-        sel = [next(r for r in rows if r["batch"] == b and r["system"] == s) for s in systems]
+        sel = [r for r in rows if r["batch"] == b]
+        fp32 = next(r for r in sel if r["system"] == "engine" and r["precision"] == "float32")["tok_s"]
         xs = range(len(sel))
-        ax.bar(xs, [r["speedup_vs_engine_tau1"] for r in sel], label="measured", color="#3b7dd8")
-        ax.plot(xs, [r["bound_speedup"] for r in sel], "k_", markersize=22, mew=2, label="roofline bound")
-        ax.set_xticks(list(xs), [s.replace("dmtd", "τ=") for s in systems])
+        ax.bar(xs, [r["tok_s"] / fp32 for r in sel], color=[colours.get(r["precision"], "#999") for r in sel])
+        ax.plot(xs, [r["bound_tok_s"] / fp32 for r in sel], "k_", markersize=14, mew=2, label="roofline bound")
+        ax.set_xticks(list(xs), [f"{r['precision'].replace('bfloat16', 'bf16').replace('float32', 'fp32')}\n"
+                                 f"{r['system'].replace('dmtd', 'τ=').replace('engine', 'τ=1')}" for r in sel],
+                      fontsize=7)
         ax.set_title(f"batch {b}")
-        ax.set_ylabel("decode speed × engine τ=1")
+        ax.set_ylabel("decode tokens/s × fp32 τ = 1")
         ax.axhline(1.0, color="grey", lw=0.5)
     axes[0][0].legend(loc="upper left")
-    fig.suptitle(f"SmolLM2-135M fp32, D={result['decoding_layers']}, CPU {result['machine']['threads']} threads")
+    fig.suptitle(f"SmolLM2-135M by precision, D={result['decoding_layers']}, CPU {result['machine']['threads']} "
+                 "threads (one run)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -186,6 +186,7 @@ class EngineConfig:
     max_model_len: int = 2048
     device: str = "cpu"
     dtype: str = "float32"
+    quant: str = "none"  # weight-only low-bit projections: "none", "int8" or "int4" (dmtd.engine.lowbit)
     max_prefill_tokens: int = 4096
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
     adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
@@ -197,3 +198,7 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ConfigError(f"dtype must be float32, bfloat16, float16 or float64, got {self.dtype!r}")
+        if self.quant not in ("none", "int8", "int4"):
+            raise ConfigError(f"quant must be none, int8 or int4, got {self.quant!r}")
+        if self.quant != "none" and self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"quant {self.quant!r} needs dtype float32 or bfloat16, got {self.dtype!r}")

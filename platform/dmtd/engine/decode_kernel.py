@@ -14,9 +14,18 @@ from typing import Any, List, Optional  # noqa: UP035 — TorchScript wants typi
 import torch
 import torch.nn.functional as F
 
+import dmtd.engine.ops  # noqa: F401 — defines torch.ops.dmtd.linear before the loop is scripted
+
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: int, mode: int) -> torch.Tensor:  # noqa: UP006, UP045
+    """``x @ w`` for a dense input-major weight (mode 0), else the packed weight's kernel with scales ``s[i]``."""
+    if mode == 0 or s is None:
+        return torch.mm(x, w)
+    return torch.ops.dmtd.linear(x, w, s[i], mode)
 
 
 def _decode_layers(
@@ -29,11 +38,14 @@ def _decode_layers(
     slots: torch.Tensor, pos: torch.Tensor,  # [B] int64
     slot_lo: int, contiguous: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045 — [B, read_len] bool
     nh: int, nkv: int, hd: int, eps: float, shared: bool = False,  # shared: every row is a position of slot_lo
+    mode: int = 0,  # 0: dense input-major weights; else packed (dmtd.engine.lowbit) with these scales:
+    s_qkv: Optional[List[torch.Tensor]] = None, s_o: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
+    s_gu: Optional[List[torch.Tensor]] = None, s_down: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
 ) -> torch.Tensor:
     B = h.shape[0]
     g = nh // nkv
     half = hd // 2
-    inter = down[0].shape[0]
+    inter = gate_up[0].shape[0] // 2 if mode != 0 else down[0].shape[0]
     scale = hd ** -0.5
     cos3 = cos.unsqueeze(1)
     sin3 = sin.unsqueeze(1)
@@ -41,7 +53,7 @@ def _decode_layers(
     s0 = slot_lo
     p0 = read_len - 1
     for i in range(len(ln1)):
-        y = torch.mm(_rms(h, ln1[i], eps), qkv[i])
+        y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode)
         if qkv_bias is not None:
             y = y + qkv_bias[i]
         y = y.view(B, nh + 2 * nkv, hd)
@@ -51,7 +63,8 @@ def _decode_layers(
             qk = torch.cat((_rms(qk[:, :nh], q_norm[i], eps), _rms(qk[:, nh:], k_norm[i], eps)), dim=1)
         qk = qk * cos3 + qk.view(B, nh + nkv, 2, half).flip(2).reshape(B, nh + nkv, hd) * sin3
         q = qk[:, :nh]
-        k = qk[:, nh:]
+        k = qk[:, nh:].to(kc[i].dtype)
+        v = v.to(kc[i].dtype)
         if one:
             kc[i][s0, :, p0] = k[0]
             vc[i][s0, :, p0] = v[0]
@@ -71,13 +84,13 @@ def _decode_layers(
             else:
                 keys = kc[i][:, :, :read_len].index_select(0, slots)
                 vals = vc[i][:, :, :read_len].index_select(0, slots)
-        s = torch.matmul(q.reshape(B, nkv, g, hd), keys.transpose(-1, -2)) * scale
+        s = torch.matmul(q.reshape(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * scale
         if mask is not None:
             s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
-        a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd)
-        h = h + torch.mm(a, o[i])
-        gu = torch.mm(_rms(h, ln2[i], eps), gate_up[i])
-        h = h + torch.mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[i])
+        a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd).to(h.dtype)
+        h = h + _lin(a, o[i], s_o, i, mode)
+        gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)
+        h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode)
     return h
 
 

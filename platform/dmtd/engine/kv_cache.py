@@ -17,7 +17,8 @@ class KVCache:
     """
 
     def __init__(self, model: ModelConfig, dmtd: DMTDConfig, num_slots: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, hidden_dtype: torch.dtype | None = None) -> None:
+        hidden_dtype = hidden_dtype or dtype  # of ``pending`` and ``stash`` (activations; KV may be wider)
         shape = (num_slots, model.num_kv_heads, max_len, model.head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -28,10 +29,10 @@ class KVCache:
             "thinking": range(dmtd.thinking_start, dmtd.decoding_start),
             "decoding": range(dmtd.decoding_start, dmtd.num_layers),
         }
-        self.pending = torch.zeros(num_slots, max(dmtd.tau_max, 1), model.hidden_size, dtype=dtype,
+        self.pending = torch.zeros(num_slots, max(dmtd.tau_max, 1), model.hidden_size, dtype=hidden_dtype,
                                    device=device)
         self.num_slots, self.max_len = num_slots, max_len
-        self._spec = (model, dmtd, dtype, device)
+        self._spec = (model, dmtd, dtype, device, hidden_dtype)
         self.verify_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.stash: torch.Tensor | None = None
 
@@ -44,13 +45,13 @@ class KVCache:
         """
         if self.verify_layers is not None:
             return
-        model, dmtd, dtype, device = self._spec
+        model, dmtd, dtype, device, hidden_dtype = self._spec
         shape = (self.num_slots, model.num_kv_heads, self.max_len, model.head_dim)
         self.verify_layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(dmtd.num_decoding_layers)
         ]
-        self.stash = torch.zeros(self.num_slots, self.max_len, model.hidden_size, dtype=dtype, device=device)
+        self.stash = torch.zeros(self.num_slots, self.max_len, model.hidden_size, dtype=hidden_dtype, device=device)
 
     @property
     def nbytes(self) -> int:

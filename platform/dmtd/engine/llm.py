@@ -299,10 +299,20 @@ class LLMEngine:
                 o = self._to_output(ev)
                 results.append(o)
                 if o.finished:
-                    del s.token_ids[s.prompt_len + generated + j + 1:]  # a stop string ended the block early
+                    if j < len(events) - 1:  # a stop string ended the block early: it holds what was emitted
+                        del s.token_ids[s.prompt_len + generated + j + 1:]
+                        o.block, o.block_confidences = c.tokens[: j + 1], c.confidences[: j + 1]
+                        self._unaccept(s, c.num_accepted, j + 1)
                     break
-            results[-1].num_drafted, results[-1].num_accepted = m, c.num_accepted
+            results[-1].num_drafted, results[-1].num_accepted = m, min(c.num_accepted, len(results[-1].block or []))
         return results
+
+    @staticmethod
+    def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int) -> None:
+        """Accepted drafts past a stop string were never emitted: count only those that were."""
+        for j in range(num_emitted, num_accepted):
+            seq.accepted_by_pos[j] -= 1
+            seq.num_accepted -= 1
 
     def _to_output(self, ev: TokenEvent) -> StepOutput:
         seq = self.seqs[ev.req_id]

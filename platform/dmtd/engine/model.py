@@ -21,6 +21,12 @@ from dmtd.engine.decode_kernel import decode_layers
 from dmtd.engine.rope import apply_rope, rope_tables
 
 
+def project(x: torch.Tensor, w: Any) -> torch.Tensor:
+    """``x @ w`` for an input-major weight ``[in, out]``; a packed weight (:mod:`dmtd.engine.lowbit`) brings
+    its own product."""
+    return torch.matmul(x, w) if isinstance(w, torch.Tensor) else w.project(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Written out (not F.rms_norm): on CPU the fused op decomposes into more, slower kernels.
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -132,7 +138,7 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
     """Self-attention; without a cache it is causal over ``x``, with one it writes then reads the cache."""
     B, S, _ = x.shape
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = torch.matmul(x, w.qkv)
+    qkv = project(x, w.qkv)
     if w.qkv_bias is not None:
         qkv = qkv + w.qkv_bias
     qkv = qkv.view(B, S, nh + 2 * nkv, hd)
@@ -144,15 +150,15 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
     q, k = qk[:, :nh], qk[:, nh:]
     if cache is None or ctx is None:
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
-        return torch.matmul(out.transpose(1, 2).reshape(B, S, -1), w.o)
+        return project(out.transpose(1, 2).reshape(B, S, -1), w.o)
     k_cache, v_cache = cache
     if ctx.write_one is not None:
         slot, pos = ctx.write_one
         k_cache[slot, :, pos] = k[0, :, 0]
         v_cache[slot, :, pos] = v[0, 0]
     else:
-        new_k = k.transpose(1, 2).reshape(B * S, nkv, hd)
-        new_v = v.reshape(B * S, nkv, hd)
+        new_k = k.transpose(1, 2).reshape(B * S, nkv, hd).to(k_cache.dtype)
+        new_v = v.reshape(B * S, nkv, hd).to(v_cache.dtype)
         if ctx.write_rows is not None:
             new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
         k_cache[ctx.write_slots, :, ctx.write_pos] = new_k
@@ -166,13 +172,14 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
         # Decode: group the query heads by their KV head and use two batched matmuls; far less
         # fixed overhead than SDPA for a single query row.
         g = nh // nkv
-        scores = torch.matmul(q.view(B, nkv, g, hd), keys.transpose(-1, -2)) * (hd ** -0.5)
+        scores = torch.matmul(q.view(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * (hd ** -0.5)
         if ctx.attn_mask is not None:
             scores = scores.masked_fill(~ctx.attn_mask.view(B, 1, 1, -1), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)
-        return torch.matmul(out.reshape(B, 1, nh * hd), w.o)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.attn_mask, enable_gqa=True)
-    return torch.matmul(out.transpose(1, 2).reshape(B, S, -1), w.o)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values).to(x.dtype)
+        return project(out.reshape(B, 1, nh * hd), w.o)
+    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=ctx.attn_mask,
+                                         enable_gqa=True).to(x.dtype)
+    return project(out.transpose(1, 2).reshape(B, S, -1), w.o)
 
 
 def layer_forward(w: LayerWeights, cfg: ModelConfig, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -181,8 +188,8 @@ def layer_forward(w: LayerWeights, cfg: ModelConfig, h: torch.Tensor, cos: torch
     """Pre-norm decoder layer: attention then SwiGLU MLP, each with a residual."""
     eps = cfg.rms_norm_eps
     h = h + attention(w, cfg, rms_norm(h, w.ln1, eps), cos, sin, cache, ctx)
-    gate, up = torch.matmul(rms_norm(h, w.ln2, eps), w.gate_up).chunk(2, dim=-1)
-    return h + torch.matmul(F.silu(gate) * up, w.down)
+    gate, up = project(rms_norm(h, w.ln2, eps), w.gate_up).chunk(2, dim=-1)
+    return h + project(F.silu(gate) * up, w.down)
 
 
 def route_decoding_input(h_enc: torch.Tensor, h_think: torch.Tensor, head_mask: torch.Tensor,
@@ -233,15 +240,22 @@ class Transformer(nn.Module):
         rows = h.shape[1] if shared else h.shape[0]
         mask = None if ctx.attn_mask is None else ctx.attn_mask.reshape(rows, ctx.read_len)
         cos, sin = (ctx.cos[0, 0], ctx.sin[0, 0]) if shared else (ctx.cos[:, 0, 0], ctx.sin[:, 0, 0])
+        mode = 0 if isinstance(ws[0].qkv, torch.Tensor) else int(ws[0].qkv.mode)  # packed (dmtd.engine.lowbit)
+        if mode:
+            proj = [[getattr(w, f).data for w in ws] for f in ("qkv", "o", "gate_up", "down")]
+            scales: list[list[torch.Tensor] | None] = [[getattr(w, f).scales for w in ws]
+                                                       for f in ("qkv", "o", "gate_up", "down")]
+        else:
+            proj, scales = [[getattr(w, f) for w in ws] for f in ("qkv", "o", "gate_up", "down")], [None] * 4
         out = decode_layers(
-            h[0] if shared else h[:, 0], [w.ln1 for w in ws], [w.qkv for w in ws],
+            h[0] if shared else h[:, 0], [w.ln1 for w in ws], proj[0],
             None if ws[0].qkv_bias is None else [w.qkv_bias for w in ws],
             None if ws[0].q_norm is None else [w.q_norm for w in ws],
             None if ws[0].k_norm is None else [w.k_norm for w in ws],
-            [w.o for w in ws], [w.ln2 for w in ws], [w.gate_up for w in ws], [w.down for w in ws],
+            proj[1], [w.ln2 for w in ws], proj[2], proj[3],
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
-            mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared,
+            mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine import lowbit
+from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.kv_cache import KVCache
-from dmtd.engine.model import StepContext, Transformer, route_decoding_input
+from dmtd.engine.model import LayerWeights, StepContext, Transformer, project, route_decoding_input
 from dmtd.engine.sequence import Sequence
 from dmtd.engine.verifier import Verifier, own_verifier
 
@@ -36,12 +37,45 @@ class ModelRunner:
         self.model, self.dmtd, self.cfg = model.prepare_inference(), dmtd, cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
-        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.dtype, self.device)
+        # bf16 keeps its KV cache (and so attention) in float32: attention then computes a row the same way
+        # whatever else shares its step, which the exact profile's equality with τ = 1 rests on
+        self.kv_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
+        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.kv_dtype, self.device,
+                             self.dtype)
         self.kv = self.cache.layers
         self.verifier = verifier or own_verifier(dmtd, is_base=dmtd.head_input == "replace")
+        have = next(model.parameters()).dtype
+        if have != self.dtype:
+            raise ConfigError(f"dtype is {cfg.dtype} but the model's weights are {str(have).removeprefix('torch.')}: "
+                              "load the model in the engine's dtype")
+        self.weight_format = lowbit.weight_format(cfg.dtype, cfg.quant, self.device.type)
+        self.weights, self.head = self._pack(self.weight_format)
+        vl = self.verifier.layers
+        self.verify_weights = self.weights if vl is None else (
+            self.weights[: dmtd.decoding_start] + self._pack_layers(vl, self.weight_format))
         self.verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.draft_ids: torch.Tensor | None = None  # restricted tail vocabulary (None = the full one)
-        self._draft_head: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | lowbit.PackedWeight | None = None
+
+    def _pack_layers(self, layers: list[LayerWeights], fmt: str | None) -> list[LayerWeights]:
+        if fmt is None:
+            return layers
+        if fmt == "bf16" and any(w.shape[0] % lowbit.GROUP for lw in layers for w in (lw.qkv, lw.down)):
+            return layers  # the automatic bf16 kernel does not fit this model's shapes: torch's own matmuls
+        return lowbit.pack_layers(layers, fmt)
+
+    def _pack(self, fmt: str | None) -> tuple[list[LayerWeights], torch.Tensor | lowbit.PackedWeight]:
+        """The engine's copies of the layer weights and lm_head ``[H, V]``, packed when ``fmt`` says so."""
+        m = self.model
+        layers = self._pack_layers(m.layer_weights(), fmt)
+        dense = m.lm_head.weight if m.lm_head is not None else m.lm_head_t
+        assert dense is not None
+        if fmt is None or layers is m.layer_weights():
+            return layers, dense.detach()
+        return layers, lowbit.pack(dense.detach().t(), fmt)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return project(self.model.norm.forward(h), self.head)
 
     def enable_exact(self) -> None:
         """Allocate the verifying path's KV (first use of verified cycles)."""
@@ -54,15 +88,16 @@ class ModelRunner:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
         self.draft_ids, self._draft_head = (None, None) if ids is None else (ids.to(self.device), None)
 
-    def draft_head(self) -> torch.Tensor:
+    def draft_head(self) -> torch.Tensor | lowbit.PackedWeight:
         """The tail head ``[H, N]``: the lm_head's columns of the draft vocabulary, copied once."""
         if self._draft_head is None:
-            m = self.model
-            full = m.lm_head.weight if m.lm_head is not None else m.lm_head_t
-            if full is None:
-                full = m.embed_tokens.weight.t()
-            full = full.detach()
-            self._draft_head = full if self.draft_ids is None else full[:, self.draft_ids].contiguous()
+            full, ids = self.head, self.draft_ids
+            if ids is None:
+                self._draft_head = full
+            elif isinstance(full, lowbit.PackedWeight):
+                self._draft_head = full.rows(ids)
+            else:
+                self._draft_head = full[:, ids].contiguous()
         return self._draft_head
 
     def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,8 +148,9 @@ class ModelRunner:
         valid = pos < lens_t[:, None]
         ctx = self._context([s.slot for s in seqs], pos, None if all(n == T for n in lens) else valid)
         h_enc = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
-                             self.kv, ctx)
-        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx)
+                             self.kv, ctx, self.weights)
+        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
+                               self.weights)
         if d.phase_anchor == "absolute":
             head = pos % torch.tensor([s.cycle_len for s in seqs], device=self.device)[:, None] == 0
         else:
@@ -122,7 +158,7 @@ class ModelRunner:
         x = route_decoding_input(h_enc, h_think, head, d.head_input)
         last = (lens_t - 1)[:, None, None].expand(-1, 1, x.shape[-1])
         # The decoding group must still write KV for every prompt position; logits only for the last.
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx)
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
         exact = [i for i, s in enumerate(seqs) if s.params.exact]
         if exact:  # verified cycles: the prompt through the verifying path too; its logits are the output
             self.enable_exact()
@@ -132,10 +168,10 @@ class ModelRunner:
             xv = route_decoding_input(h_enc[rows], h_think[rows], torch.ones_like(valid[rows]),
                                       self.verifier.head_input)
             hv = m.run_layers(xv, d.decoding_start, d.num_layers, ectx.cos, ectx.sin, self.verify_kv, ectx,
-                              self.verifier.weights(m, d))
+                              self.verify_weights)
             h = h.clone()
             h[rows] = hv
-        return m.logits(h.gather(1, last)[:, 0])
+        return self.logits(h.gather(1, last)[:, 0])
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -151,7 +187,8 @@ class ModelRunner:
         counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
         ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
         ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
-        x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx)
+        x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
+                         self.weights)
         if max(counts) > 1:
             pos, valid = self._right_aligned(last, counts)
             R = pos.shape[1]
@@ -162,8 +199,8 @@ class ModelRunner:
                 if counts[i] > 1:
                     x[i, R - counts[i]: R - 1] = self.cache.stash[s.slot, s.num_tail_cached: last[i]]
             ctx = self._context(slots, pos, valid)
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx)
-        return torch.matmul(m.norm.forward(h[:, -1]), self.draft_head())
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
+        return project(m.norm.forward(h[:, -1]), self.draft_head())
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -183,15 +220,16 @@ class ModelRunner:
             ids[i, R - counts[i]:] = torch.tensor([s.token_ids[-1], *s.drafts])
         ctx = self._context([s.slot for s in seqs], pos, valid)
         h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
-                             self.kv, ctx)
-        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx)
+                             self.kv, ctx, self.weights)
+        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
+                               self.weights)
         heads = torch.ones(pos.shape, dtype=torch.bool, device=dev)
         xv = route_decoding_input(h_enc, h_think, heads, self.verifier.head_input)
         h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
-                         self.verifier.weights(m, d))
+                         self.verify_weights)
         xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
         self.cache.stash[ctx.write_slots, ctx.write_pos] = xt if ctx.write_rows is None else xt[ctx.write_rows]
-        return m.logits(h)
+        return self.logits(h)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -202,7 +240,7 @@ class ModelRunner:
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
         ctx = self._context(slots, pos, None)
         h_enc = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
-                             self.kv, ctx)
+                             self.kv, ctx, self.weights)
         heads = [i for i, s in enumerate(seqs) if s.next_is_head]
         tails = [i for i, s in enumerate(seqs) if not s.next_is_head]
         x = h_enc
@@ -215,8 +253,8 @@ class ModelRunner:
             x = h_enc.clone()
             head_rows = torch.tensor(heads, device=dev)
             x[head_rows] = h_think + h_enc[head_rows] if d.head_input == "residual_add" else h_think
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx)
-        return m.logits(h[:, 0])
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
+        return self.logits(h[:, 0])
 
     def _refill(self, seqs: list[Sequence], h_head: torch.Tensor) -> torch.Tensor:
         """Thinking group over each head row's pending tails + the head, right-aligned. → [n, 1, H]."""
@@ -236,5 +274,5 @@ class ModelRunner:
             pos, valid = self._right_aligned([s.position for s in seqs], n_new)
         ctx = self._context([s.slot for s in seqs], pos, valid)
         out = self.model.run_layers(inp, self.dmtd.thinking_start, self.dmtd.decoding_start, ctx.cos, ctx.sin,
-                                    self.kv, ctx)
+                                    self.kv, ctx, self.weights)
         return out[:, -1:]

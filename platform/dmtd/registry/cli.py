@@ -20,15 +20,17 @@ from dmtd_contract.registry.client import RegistryClient
 from dmtd_contract.registry.entry import VariantEntry, VariantSpec
 from dmtd_contract.registry.errors import InvalidVariant, RegistryConflict, RegistryError, RegistryUnavailable
 from dmtd_contract.registry.routing import RegistrySnapshot
-from dmtd_contract.variant_schema import STATUSES
+from dmtd_contract.variant_schema import DEFAULT_PROFILES, STATUSES
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
 MANIFEST_NAME = "variant.json"
 # Manifest fields the registry does not keep but that are valid (they describe how the variant was made).
-_MANIFEST_ONLY = {"base_fingerprint", "vocab_size", "recipe", "data_hash", "eval", "heldout"}
+_MANIFEST_ONLY = {"base_fingerprint", "vocab_size", "recipe", "data_hash", "eval", "heldout", "draft_vocab",
+                  "draft_vocab_sha256", "dtype", "quant"}
 _KEPT = {"name", "base_model", "weights", "weights_sha256", "adapter", "adapter_sha256", "num_encoding_layers",
          "num_thinking_layers", "num_decoding_layers", "tau_max", "default_tau", "min_confidence",
-         "phase_anchor", "head_input", "description"}
+         "phase_anchor", "head_input", "description", "default_profile", "verifier"}
+_SETTABLE = ("min_confidence", "tau_min", "tau_max", "default_tau", "default_profile", "description")
 
 Handler = Callable[[argparse.Namespace, RegistryClient], int]
 
@@ -78,12 +80,15 @@ def add_variants_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("weight", help="0..1, or a percentage like 10%%")
     p.set_defaults(func=_handler(cmd_set_weight))
 
-    p = vsub.add_parser("set", parents=[common], help="change min_confidence / τ range (replicas apply it live)")
+    p = vsub.add_parser("set", parents=[common],
+                        help="change min_confidence / τ range / default profile (replicas apply it live)")
     p.add_argument("name")
     p.add_argument("--min-confidence", type=float, default=None)
     p.add_argument("--tau-min", type=int, default=None)
     p.add_argument("--tau-max", type=int, default=None)
     p.add_argument("--default-tau", type=int, default=None)
+    p.add_argument("--default-profile", choices=DEFAULT_PROFILES, default=None,
+                   help="profile of requests that name none: 'dmtd' or 'exact' (verified cycles)")
     p.add_argument("--description", default=None)
     p.set_defaults(func=_handler(cmd_set))
     return v
@@ -137,11 +142,10 @@ def cmd_set_weight(args: argparse.Namespace, client: RegistryClient) -> int:
 
 
 def cmd_set(args: argparse.Namespace, client: RegistryClient) -> int:
-    fields = {k: getattr(args, k) for k in ("min_confidence", "tau_min", "tau_max", "default_tau", "description")
-              if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in _SETTABLE if getattr(args, k) is not None}
     if not fields:
-        raise InvalidVariant("fields", "give at least one of --min-confidence, --tau-min, --tau-max, "
-                             "--default-tau, --description")
+        raise InvalidVariant("fields", "give at least one of " + ", ".join("--" + k.replace("_", "-")
+                                                                            for k in _SETTABLE))
     return _report(args, client.update(args.name, **fields), "updated")
 
 
@@ -186,11 +190,13 @@ def parse_weight(text: str) -> float:
 def format_table(snap: RegistrySnapshot, entries: list[VariantEntry]) -> str:
     """The ``variants list`` table; ``share`` is the fraction of unnamed requests the variant receives."""
     shares = snap.traffic_shares()
-    head = ("NAME", "STATUS", "DEFAULT", "WEIGHT", "SHARE", "TAU", "MIN_CONF", "E/T/D", "REV", "BASE")
+    head = ("NAME", "STATUS", "DEFAULT", "WEIGHT", "SHARE", "TAU", "MIN_CONF", "PROFILE", "VERIFIER", "E/T/D", "REV",
+            "BASE")
     rows = [(e.name, e.status, "*" if e.name == snap.default_name else "", f"{e.traffic_weight:g}",
              f"{shares.get(e.name, 0.0):.0%}", f"{e.tau_min}..{e.tau_max} ({e.default_tau})",
-             f"{e.min_confidence:g}", f"{e.num_encoding_layers}/{e.num_thinking_layers}/{e.num_decoding_layers}",
-             str(e.revision), e.base_model) for e in entries]
+             f"{e.min_confidence:g}", e.default_profile, e.verifier or "?",
+             f"{e.num_encoding_layers}/{e.num_thinking_layers}/{e.num_decoding_layers}", str(e.revision),
+             e.base_model) for e in entries]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
     lines.append(f"registry revision {snap.revision}, {len(entries)} variant(s)")

@@ -58,24 +58,28 @@ class EngineFactory:
     itl_slo_ms: float = 50.0
     tau_max: int | None = None
     torch_threads: int = 0
+    dtype: str | None = None  # None: the variant's recommendation, else auto (dmtd.engine.lowbit.resolve_dtype)
+    quant: str | None = None
 
     def __call__(self) -> tuple[Any, ControllerConfig]:
         import torch
 
         from dmtd.engine.config import EngineConfig
-        from dmtd.variants.build import build_engine, engine_spec
+        from dmtd.variants.build import build_engine, engine_spec, variant_precision
         from dmtd.variants.paths import SHIPPED_VARIANTS
 
         torch.set_num_threads(self.torch_threads or os.cpu_count() or 1)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        spec = engine_spec(self.model, self.variant, self.decoding_layers, device=device,
+        dtype, quant = variant_precision(self.variant, self.dtype, self.quant, device)
+        spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
                            search_dirs=[SHIPPED_VARIANTS])
         engine = build_engine(spec, EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                                                 device=device))
+                                                 device=device, dtype=dtype, quant=quant))
         tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
         cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
                                rest_min_confidence=spec.min_confidence, itl_slo_ms=self.itl_slo_ms,
-                               max_batch=self.max_num_seqs)
+                               max_batch=self.max_num_seqs,
+                               default_profile=spec.variant.default_profile if spec.variant is not None else "dmtd")
         return engine, cfg
 
 
@@ -125,7 +129,9 @@ class Gateway:
                                  "num_encoding_layers": e.num_encoding_layers,
                                  "num_thinking_layers": e.num_thinking_layers,
                                  "num_decoding_layers": e.num_decoding_layers, "phase_anchor": e.phase_anchor,
-                                 "head_input": e.head_input, "base_model": e.base_model}, snapshot.revision)
+                                 "head_input": e.head_input, "base_model": e.base_model,
+                                 "default_profile": e.default_profile, "verifier": e.verifier or ""},
+                                snapshot.revision)
         if default in router.routes:
             router.default = default
 
@@ -290,6 +296,9 @@ def build_app(args: dict[str, Any]) -> Any:
     (``Limits`` fields), ``api_keys_file`` (plus env ``DMTD_API_KEYS`` in the gateway's process),
     ``tls_cert_file`` / ``tls_key_file`` (gRPC TLS; HTTP TLS is Serve's ``http_options``).
 
+    ``dtype`` (``auto`` / ``float32`` / ``bfloat16``) and ``quant`` (``none`` / ``int8`` / ``int4``), per variant
+    or at top level; default: the variant manifest's recommendation, else ``auto`` / ``none``.
+
     ``omp_wait_policy`` (``PASSIVE`` / ``ACTIVE``; default: env ``DMTD_OMP_WAIT_POLICY``, else unset = OpenMP's
     own) is set in each replica's process. PASSIVE saves a CPU replica that shares its cores with other busy
     processes, and costs up to 2× on idle cores (docs/benchmarks.md, "OpenMP wait policy")."""
@@ -308,7 +317,8 @@ def build_app(args: dict[str, Any]) -> Any:
                                 max_num_seqs=int(args.get("max_num_seqs", 16)),
                                 max_model_len=int(args.get("max_model_len", 2048)),
                                 itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
-                                torch_threads=int(args.get("torch_threads", 0)))
+                                torch_threads=int(args.get("torch_threads", 0)),
+                                dtype=v.get("dtype", args.get("dtype")), quant=v.get("quant", args.get("quant")))
         from dmtd.serve.replica import DMTDReplica
 
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"

@@ -5,6 +5,10 @@ controller rests at the variant's operating point (``default_tau``, ``min_confid
 loosens the confidence gate under pressure (queued requests, a full batch, per-token ITL near the SLO),
 and returns to the operating point when there is headroom. It does not raise τ when the gate already
 cuts most cycles short (a longer cycle would not emit longer blocks).
+
+Requests of the exact profile follow the same decisions: for them τ and the gate set only how much is drafted
+(at most τ − 1 drafts a cycle, drafting stops at a draft below the gate), never the tokens, which stay the
+verifier's. A request that names no profile gets the variant's (``default_profile``).
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ class ControllerConfig:
     max_batch: int = 16
     window: int = 256  # per-token ITL samples kept
     hold_steps: int = 8  # decisions at least this many observations apart
+    default_profile: str = "dmtd"  # the variant's: a request naming no profile gets "adaptive" or "exact"
 
     def clamp(self, tau: int) -> int:
         return max(self.tau_min, min(self.tau_max, tau))
+
+    def profile_of(self, requested: str) -> str:
+        """The profile a request runs with: its own, else the variant's default ("dmtd" is the adaptive one)."""
+        return requested or ("exact" if self.default_profile == "exact" else "adaptive")
 
 
 @dataclass(slots=True)

@@ -289,6 +289,7 @@ class EngineLoop:
             live.cycles_cut = seq.num_cycles_cut if seq is not None else live.cycles_cut
             self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block.block_index, cut, min(confs),
                                     interval_ms)
+            self.telemetry.on_checked(o.num_drafted, o.num_accepted)
         if o.finished:
             block.finish_reason = o.finish_reason or "stop"
             block.error = o.error

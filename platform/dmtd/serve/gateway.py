@@ -125,7 +125,7 @@ class GatewayCore:
                 rt.stage("ray_hop", max(0.0, (time.time() - block.sent_s) * 1e3))
             rt.stage("engine_step", block.step_ms)
             rt.stage("dispatch", block.dispatch_ms)
-            rt.cycle(block.k, block.tau, block.replica)
+            rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
             yield block
 
 

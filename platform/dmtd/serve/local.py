@@ -30,6 +30,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", default=None, help="variant to serve (default: the shipped variant, if any)")
     p.add_argument("--decoding-layers", type=int, default=None, help="with --variant none: DMTD split to run")
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="replicas' precision (default: the variant's recommendation, else auto: bfloat16 on a CPU "
+                   "with AVX-512)")
+    p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
+                   help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
     p.add_argument("--metrics-port", type=int, default=9464,
@@ -76,7 +81,7 @@ def ensure_registered(url: str, name: str, variant: str, model: str | None, deco
             tau_max = 8 if decoding_layers else 1
             spec = VariantSpec.model_validate({
                 "name": name, "base_model": model or "smollm2", "num_thinking_layers": layers - d,
-                "num_decoding_layers": d, "tau_max": tau_max, "default_tau": 1,
+                "num_decoding_layers": d, "tau_max": tau_max, "default_tau": 1, "verifier": "base",
                 "description": "base model with DMTD routing (untrained)" if decoding_layers else "plain base model",
             })
         reg.register(spec, status="active", traffic_weight=1.0, make_default=True)
@@ -146,7 +151,8 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     ensure_registered(url, name, variant, args.model, args.decoding_layers)
     app = build_app({
         "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
-                      "replicas": args.replicas}],
+                      "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
+                      "quant": getattr(args, "quant", None)}],
         "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
         "itl_slo_ms": args.itl_slo_ms, "registry_url": url, "metrics_port": getattr(args, "metrics_port", 9464),
         "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,

@@ -69,7 +69,8 @@ class _Common(BaseModel):
     min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="DMTD extension: pin the gate")
     user_request_id: str | None = Field(None, max_length=128, description="DMTD extension: request id")
     dmtd_profile: Literal["adaptive", "quality", "balanced", "speed", "exact"] | None = Field(
-        None, description="DMTD extension: cycle profile; 'exact' = verified cycles, the output is the base model's")
+        None, description="DMTD extension: cycle profile; 'exact' = verified cycles, the output is the base model's; "
+        "none = the variant's default profile")
 
 
 class ChatCompletionRequest(_Common):
@@ -152,7 +153,7 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=stop,
         tau_min=body.tau_min or 0, tau_max=body.tau_max or 0, min_confidence=body.min_confidence,
-        profile=body.dmtd_profile or "adaptive", arrival_s=arrival_s,
+        profile=body.dmtd_profile or "", arrival_s=arrival_s,
     )
     if isinstance(body, ChatCompletionRequest):
         req.messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

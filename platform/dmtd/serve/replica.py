@@ -38,7 +38,8 @@ class DMTDReplica:
     (dmtd_contract.records; one per completed cycle).
 
     With a registry URL, the replica follows its variant's registry entry: a changed ``min_confidence``,
-    τ range or ``default_tau`` is applied to the controller (and to running requests) without a restart.
+    τ range or ``default_tau`` is applied to the controller (and to running requests) without a restart, a
+    changed ``default_profile`` to the requests that arrive after it.
     """
 
     def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
@@ -83,7 +84,7 @@ class DMTDReplica:
             return
         self.registry_revision = snapshot.revision
         self.reconfigure({"tau_min": entry.tau_min, "tau_max": entry.tau_max, "default_tau": entry.default_tau,
-                          "min_confidence": entry.min_confidence})
+                          "min_confidence": entry.min_confidence, "default_profile": entry.default_profile})
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Block]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
@@ -93,6 +94,7 @@ class DMTDReplica:
             req = validate(check_types(request), self.limits)
         except InvalidRequest as e:
             raise RequestFailed(e.field, str(e)) from e
+        req.profile = self.loop.controller.cfg.profile_of(req.profile)
         async with contextlib.aclosing(self.loop.submit(req)) as blocks:
             async for block in blocks:
                 yield block
@@ -110,6 +112,7 @@ class DMTDReplica:
         return {**self.loop.stats(), "registry_revision": self.registry_revision,
                 "tau_bounds": (self.loop.controller.cfg.tau_min, self.loop.controller.cfg.tau_max),
                 "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence,
+                "default_profile": self.loop.controller.cfg.default_profile,
                 "metrics_url": self.telemetry.metrics_url}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -122,6 +125,7 @@ class DMTDReplica:
             pressure_min_confidence=float(user_config.get("pressure_min_confidence", c.pressure_min_confidence)),
             itl_slo_ms=float(user_config.get("itl_slo_ms", c.itl_slo_ms)), max_batch=c.max_batch,
             window=c.window, hold_steps=c.hold_steps,
+            default_profile=str(user_config.get("default_profile", c.default_profile)),
         )
         variant_max = self.loop.engine.dmtd.tau_max
         new.tau_max = max(1, min(new.tau_max, variant_max))

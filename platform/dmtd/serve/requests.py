@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dmtd_contract.records import ReplicaRequest
 
-PROFILES = {0: "adaptive", 1: "quality", 2: "balanced", 3: "speed", 4: "exact"}
+PROFILES = {0: "", 1: "quality", 2: "balanced", 3: "speed", 4: "exact", 5: "adaptive"}  # "": the variant's default
 MAX_NEW_TOKENS_LIMIT = 4096
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -135,6 +135,9 @@ def validate(req: ReplicaRequest, limits: Limits | None = None) -> ReplicaReques
         raise InvalidRequest("cycle.tau_min", f"must be <= cycle.tau_max ({req.tau_max}), got {req.tau_min}")
     if req.min_confidence is not None:
         _check_range("cycle.min_confidence", req.min_confidence, 0.0, 1.0)
+    if req.profile not in PROFILES.values():
+        raise InvalidRequest("cycle.profile", f"must be one of {', '.join(p for p in PROFILES.values() if p)} "
+                                              f"(or empty: the variant's default), got {req.profile!r}")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise InvalidRequest("sampling.seed", f"must be in 0..{MAX_SEED}, got {req.seed}")
     if len(req.stop) > MAX_STOP:
@@ -167,7 +170,7 @@ def from_proto(msg: Any, arrival_s: float, limits: Limits | None = None) -> Repl
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         tau_min=c.tau_min, tau_max=c.tau_max,
         min_confidence=c.min_confidence if c.HasField("min_confidence") else None,
-        profile=PROFILES.get(c.profile, "adaptive"), arrival_s=arrival_s,
+        profile=PROFILES.get(c.profile, ""), arrival_s=arrival_s,
     )
     if msg.min_block_tokens < 0:
         raise InvalidRequest("min_block_tokens", "must be >= 0")

@@ -93,9 +93,10 @@ class RequestTelemetry:
         """Add ``ms`` to this request's time in stage ``name`` (``dmtd.stage.<name>_ms`` on the span)."""
         self.stages[name] = self.stages.get(name, 0.0) + ms
 
-    def cycle(self, k: int, tau: int, replica: str = "") -> None:
-        """A replica block (one DMTD cycle) arrived: the τ and k histograms of the dashboard."""
-        self.g.live.block(self.variant, k, tau)
+    def cycle(self, k: int, tau: int, replica: str = "", num_drafted: int = 0, num_accepted: int = 0) -> None:
+        """A replica block (one DMTD cycle) arrived: the τ and k histograms of the dashboard, and the drafts of
+        a verified cycle."""
+        self.g.live.block(self.variant, k, tau, num_drafted, num_accepted)
         self.replica = replica or self.replica
 
     def delivered(self, k: int) -> None:

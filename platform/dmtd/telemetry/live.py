@@ -23,6 +23,11 @@ class _Variant:
     total_requests: int = 0
     slo_ok: int = 0
     tau_now: int = 0
+    drafted: int = 0  # exact profile, since start: drafts checked, accepted, verified cycles that drafted
+    accepted: int = 0
+    checks: int = 0
+    drafted_by_pos: Counter[int] = field(default_factory=Counter)
+    accepted_by_pos: Counter[int] = field(default_factory=Counter)
 
 
 class LiveStats:
@@ -38,7 +43,9 @@ class LiveStats:
     def _v(self, variant: str) -> _Variant:
         return self.variants.setdefault(variant, _Variant())
 
-    def block(self, variant: str, k: int, tau: int) -> None:
+    def block(self, variant: str, k: int, tau: int, num_drafted: int = 0, num_accepted: int = 0) -> None:
+        """A replica block: ``k`` tokens at ``tau``; of a verified cycle, its ``num_drafted`` drafts checked and
+        the first ``num_accepted`` of them accepted."""
         v, now = self._v(variant), self.clock()
         if k > 0:
             v.tokens.append((now, k))
@@ -46,6 +53,12 @@ class LiveStats:
             v.k_hist[k] += 1
         v.tau_hist[tau] += 1
         v.tau_now = tau
+        if num_drafted > 0:
+            v.drafted += num_drafted
+            v.accepted += num_accepted
+            v.checks += 1
+            v.drafted_by_pos.update(range(1, num_drafted + 1))
+            v.accepted_by_pos.update(range(1, num_accepted + 1))
         self._trim(v.tokens)
 
     def first_token(self, variant: str, ttft_ms: float) -> None:
@@ -68,6 +81,17 @@ class LiveStats:
         while d and (d[0][0] < edge or len(d) > self.max_samples):
             d.popleft()
 
+    @staticmethod
+    def _exact(v: _Variant) -> dict[str, Any] | None:
+        """The exact profile's drafts since start (None before any): acceptance overall and by tail position,
+        mean accepted per verified cycle."""
+        if not v.drafted:
+            return None
+        return {"drafted": v.drafted, "accepted": v.accepted, "acceptance": v.accepted / v.drafted,
+                "accepted_per_cycle": v.accepted / v.checks,
+                "by_position": [{"position": p, "drafted": n, "accepted": v.accepted_by_pos[p],
+                                 "acceptance": v.accepted_by_pos[p] / n} for p, n in sorted(v.drafted_by_pos.items())]}
+
     def snapshot(self, usd_per_hour: dict[str, float]) -> dict[str, Any]:
         """Per variant: tok/s over the window, percentiles, histograms, $/1M tokens at the current rate."""
         now = self.clock()
@@ -89,6 +113,7 @@ class LiveStats:
                 "tau_hist": {str(t): c for t, c in sorted(v.tau_hist.items())},
                 "tau": v.tau_now, "usd_per_hour": price,
                 "usd_per_million_tokens": usd_per_million_tokens(price, tok_s) if tok_s > 0 else None,
+                "exact": self._exact(v),
             }
         self.series.append({"t": now - self.started, **{n: o["tokens_per_s"] for n, o in out.items()}})
         return {"window_s": self.window_s, "uptime_s": now - self.started, "variants": out,

@@ -24,11 +24,12 @@ log = logging.getLogger("dmtd.telemetry")
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                      1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
 BLOCK_BUCKETS = tuple(float(k) for k in range(1, 9))
+ACCEPTED_BUCKETS = tuple(float(k) for k in range(0, m.MAX_DRAFT_POSITION + 1))
 GPU_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 BUCKETS: dict[str, tuple[float, ...]] = {
     m.TTFT_SECONDS.name: LATENCY_BUCKETS_S, m.ITL_SECONDS.name: LATENCY_BUCKETS_S,
     m.E2E_SECONDS.name: LATENCY_BUCKETS_S, m.BLOCK_LENGTH.name: BLOCK_BUCKETS,
-    m.REQUEST_GPU_SECONDS.name: GPU_SECONDS_BUCKETS,
+    m.REQUEST_GPU_SECONDS.name: GPU_SECONDS_BUCKETS, m.ACCEPTED_PER_CYCLE.name: ACCEPTED_BUCKETS,
 }
 
 

@@ -148,6 +148,20 @@ class ReplicaTelemetry:
             r.span.add_event("block", {"index": block_index, "k": k, "tau": tau, "cut": cut,
                                        "confidence_min": confidence_min, "block_ms": block_ms})
 
+    def on_checked(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified cycle's check (exact profile): ``num_drafted`` drafts, the first ``num_accepted`` of them
+        accepted and streamed. Cycles that drafted nothing are no cycles here."""
+        if num_drafted <= 0:
+            return
+        self.ins.add(m.DRAFTED_TOKENS_TOTAL, num_drafted)
+        self.ins.add(m.ACCEPTED_TOKENS_TOTAL, num_accepted)
+        self.ins.record(m.ACCEPTED_PER_CYCLE, num_accepted)
+        for j in range(1, num_drafted + 1):
+            position = str(min(j, m.MAX_DRAFT_POSITION))
+            self.ins.add(m.DRAFTED_BY_POSITION_TOTAL, 1, position=position)
+            # 0 too: a drafted position has an accepted series, so its acceptance reads 0, not "no data"
+            self.ins.add(m.ACCEPTED_BY_POSITION_TOTAL, int(j <= num_accepted), position=position)
+
     def on_finish(self, request_id: str, reason: str, usage: dict[str, Any] | None = None,
                   error: str | None = None) -> None:
         r = self.requests.pop(request_id, None)

@@ -267,6 +267,16 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontier-taus", type=ints, default=None)
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--exact-taus", type=ints, default=None,
+                   help="τ of the exact-profile rows (verified cycles; default 2,3,4, --quick 3; '' = none)")
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="exact rows: stop drafting at a draft below this top-1 probability (default: the variant's "
+                   "min_confidence)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32",
+                   help="precision of the engines judged and timed (auto: bfloat16 on a CPU with AVX-512); the "
+                   "judge and the teacher-forced agreement stay float32")
+    p.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
+                   help="weight-only quantisation of the engines judged and timed")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--png", type=Path, default=None, help="plot quality and speed against τ, and the frontier")
     p.add_argument("--record", action="store_true",
@@ -302,11 +312,21 @@ def run_eval(args: argparse.Namespace) -> int:
         raise TrainInputError("--corpus is required (the variant ships no held-out sample and its training "
                               "corpus is not on this machine)")
     cfg = EvalConfig.quick() if args.quick else EvalConfig()
-    for k in ("taus", "confidences", "frontier_taus", "num_prompts", "max_new_tokens"):
+    for k in ("taus", "confidences", "frontier_taus", "num_prompts", "max_new_tokens", "exact_taus",
+              "draft_threshold"):
         if getattr(args, k) is not None:
             setattr(cfg, k, getattr(args, k))
+    from dmtd.engine.lowbit import resolve_dtype, weight_format
+
+    cfg.dtype, cfg.quant = resolve_dtype(args.dtype, "cuda" if torch.cuda.is_available() else "cpu"), args.quant
+    weight_format(cfg.dtype, cfg.quant)  # a quantisation this machine cannot run: refused before any work
     if any(t < 1 or t > manifest.tau_max for t in cfg.taus + cfg.frontier_taus):
         raise TrainInputError(f"taus must lie in 1..{manifest.tau_max} (the variant's tau_max)")
+    if any(t < 2 or t > manifest.tau_max for t in cfg.exact_taus):
+        raise TrainInputError(f"--exact-taus: must lie in 2..{manifest.tau_max} (the variant's tau_max; τ = 1 "
+                              f"drafts nothing), got {cfg.exact_taus}")
+    if cfg.draft_threshold is not None and not 0.0 <= cfg.draft_threshold <= 1.0:
+        raise TrainInputError(f"--draft-threshold: must be in [0, 1], got {cfg.draft_threshold}")
     base_name = args.model or manifest.base_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     variant = load_model(base_name, device=device)

@@ -63,11 +63,14 @@ def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
 def run_draft_vocab(args: argparse.Namespace) -> int:
     from dmtd.variants.loader import load_model
 
+    try:
+        sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
+    except ValueError:
+        raise ManifestError(f"--sizes: must be comma-separated integers, got {args.sizes!r}") from None
     mpath = args.variant / MANIFEST_NAME if args.variant.is_dir() else args.variant
     manifest = read_manifest(mpath)
     cfg = load_model(manifest.base_model).config
-    sizes = [int(s) for s in str(args.sizes).split(",") if s]
-    for name, n in [("size", args.size)] + [("sizes", s) for s in sizes]:
+    for name, n in [("--size", args.size)] + [("--sizes", s) for s in sizes]:
         if n is not None and not 1 <= n <= cfg.vocab_size:
             raise ManifestError(f"{name}: must be in 1..{cfg.vocab_size} (the vocabulary), got {n}")
     counts = completion_counts(args.corpus)

@@ -3,12 +3,16 @@
 (a) teacher-forced top-1 agreement with the base at tails and heads, per τ; (b) held-out NLL under DMTD
 routing vs the base; (c) free-running greedy generations per τ, judged by the base (perplexity) and by
 token agreement with the base's own greedy continuation; (d) batch-1 tokens/s and mean block length per
-τ; (e) the quality–speed frontier over a ``min_confidence`` sweep. The untrained base with the same
-routing is the floor.
+τ; (e) the quality–speed frontier over a ``min_confidence`` sweep; (f) the exact profile (verified cycles)
+per τ: whether its greedy tokens are the verifier's, acceptance overall and by tail position, mean accepted
+per cycle, and batch-1 tokens/s over the base model's own τ = 1 on the same prompts. The untrained base with
+the same routing is the floor.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +24,13 @@ from tqdm import tqdm
 
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import GenerationResult, LLMEngine
-from dmtd.engine.model import Transformer
+from dmtd.engine.model import LayerWeights, Transformer
 from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.verifier import snapshot_decoding_layers
 from dmtd.train.corpus import Record
 from dmtd.train.metrics import teacher_forced
 from dmtd.train.student import DMTDStudent
-from dmtd.variants.build import apply_variant_weights, check_fits_base
+from dmtd.variants.build import apply_variant_weights, check_fits_base, read_draft_vocab, variant_verifier
 from dmtd.variants.loader import LoadedModel
 from dmtd.variants.manifest import VariantManifest
 
@@ -44,11 +49,15 @@ class EvalConfig:
     speed_tokens: int = 96
     batch_size: int = 16
     max_len: int = 512
+    exact_taus: list[int] = field(default_factory=lambda: [2, 3, 4])
+    draft_threshold: float | None = None  # the exact profile's draft stop; None = the variant's min_confidence
+    dtype: str = "float32"  # of the engines whose outputs are judged and timed (the judge stays float32)
+    quant: str = "none"
 
     @classmethod
     def quick(cls) -> EvalConfig:
         return cls(num_tf_records=16, num_prompts=8, max_new_tokens=64, confidences=[0.0, 0.5, 0.7, 0.9],
-                   frontier_taus=[3], speed_prompts=2, speed_tokens=64, batch_size=8)
+                   frontier_taus=[3], speed_prompts=2, speed_tokens=64, batch_size=8, exact_taus=[3])
 
 
 class Evaluator:
@@ -61,7 +70,9 @@ class Evaluator:
         check_fits_base(variant, manifest)
         # Teacher copies are taken from the untouched base; then the variant's tensors load over the student.
         self.student = DMTDStudent(variant.model, self.dmtd, "all")
-        apply_variant_weights(variant, manifest, root)
+        changed = apply_variant_weights(variant, manifest, root)
+        self.verifier = variant_verifier(self.dmtd, changed, snapshot_decoding_layers(base.model, self.dmtd))
+        self.draft_vocab = read_draft_vocab(manifest, root)
         variant.model.requires_grad_(False)
         self.floor = DMTDStudent(base.model, self.dmtd, "decoding")
         base.model.requires_grad_(False)
@@ -70,11 +81,23 @@ class Evaluator:
         L = base.config.num_layers
         self.plain = DMTDConfig.plain(L, 1)
 
-    def engine(self, model: Transformer, dmtd: DMTDConfig, batch: int) -> LLMEngine:
+    def engine(self, model: Transformer, dmtd: DMTDConfig, batch: int, exact: bool = False) -> LLMEngine:
+        """An engine over ``model``; ``exact``: with the variant's verifier and draft vocabulary.
+
+        In ``cfg.dtype`` / ``cfg.quant`` (bfloat16: on a bf16 copy of the model and verifier; judging and
+        teacher forcing stay float32)."""
         model._weights, model.lm_head_t = None, None  # noqa: SLF001 - weights changed since any earlier engine
+        verifier = self.verifier if exact else None
+        if self.cfg.dtype == "bfloat16":
+            model = copy.deepcopy(model).to(torch.bfloat16)
+            if verifier is not None and verifier.layers is not None:
+                verifier = dataclasses.replace(verifier, layers=[
+                    LayerWeights._make(None if t is None else t.to(torch.bfloat16) for t in w)
+                    for w in verifier.layers])
         return LLMEngine(model, self.tokenizer, dmtd,
-                         EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device),
-                         default_cycle_len=1)
+                         EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device,
+                                      dtype=self.cfg.dtype, quant=self.cfg.quant),
+                         default_cycle_len=1, verifier=verifier, draft_vocab=self.draft_vocab if exact else None)
 
     # -- judged generations -----------------------------------------------------------------------
     @torch.no_grad()
@@ -99,9 +122,9 @@ class Evaluator:
         return total / max(count, 1)
 
     def generate(self, engine: LLMEngine, prompts: list[list[int]], tau: int, conf: float = 0.0,
-                 ignore_eos: bool = False, max_new: int | None = None) -> list[GenerationResult]:
+                 ignore_eos: bool = False, max_new: int | None = None, exact: bool = False) -> list[GenerationResult]:
         sp = SamplingParams(max_new_tokens=max_new or self.cfg.max_new_tokens, cycle_len=tau, min_confidence=conf,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos, exact=exact)
         return engine.generate(prompts, sp)
 
     def quality(self, engine: LLMEngine, prompts: list[list[int]], tau: int, ref: list[list[int]] | None,
@@ -116,15 +139,36 @@ class Evaluator:
             q["prefix_match"] = sum(_prefix(o, r) for o, r in zip(outs, ref)) / len(ref)
         return q
 
-    def speed(self, engine: LLMEngine, prompts: list[list[int]], tau: int, conf: float = 0.0) -> dict[str, float]:
+    def speed(self, engine: LLMEngine, prompts: list[list[int]], tau: int, conf: float = 0.0,
+              exact: bool = False) -> dict[str, float]:
         """Batch-1 decode tokens/s (prefill excluded) and mean block length."""
-        self.generate(engine, prompts[:1], tau, conf, ignore_eos=True, max_new=8)  # warm-up
+        self.generate(engine, prompts[:1], tau, conf, ignore_eos=True, max_new=8, exact=exact)  # warm-up
         n, t, blocks = 0, 0.0, []
         for p in prompts[: self.cfg.speed_prompts]:
-            r = self.generate(engine, [p], tau, conf, ignore_eos=True, max_new=self.cfg.speed_tokens)[0]
+            r = self.generate(engine, [p], tau, conf, ignore_eos=True, max_new=self.cfg.speed_tokens, exact=exact)[0]
             n, t = n + len(r.token_ids) - 1, t + r.decode_time_s
             blocks += [len(b) for b in r.blocks]
         return {"tok_s": n / t if t > 0 else 0.0, "mean_block_len": sum(blocks) / max(len(blocks), 1)}
+
+    # -- the exact profile -------------------------------------------------------------------------
+    def exact(self, engine: LLMEngine, speed_engine: LLMEngine, prompts: list[list[int]], tau: int,
+              threshold: float, ref: list[list[int]], base_tok_s: float) -> dict[str, Any]:
+        """Verified cycles at ``tau``: greedy tokens against the verifier's own (``ref``), acceptance overall
+        and by tail position, mean accepted per cycle that drafted, batch-1 tok/s over the base's τ = 1."""
+        res = self.generate(engine, prompts, tau, threshold, exact=True)
+        drafted, accepted = sum(r.num_drafted for r in res), sum(r.num_accepted for r in res)
+        by_d = [sum(r.drafted_by_pos[j] for r in res if len(r.drafted_by_pos) > j) for j in range(tau - 1)]
+        by_a = [sum(r.accepted_by_pos[j] for r in res if len(r.accepted_by_pos) > j) for j in range(tau - 1)]
+        checks = sum(len(r.blocks) - 1 for r in res)  # the first block is the prefill's token
+        sp = self.speed(speed_engine, prompts, tau, threshold, exact=True)
+        return {
+            "tokens_match": sum(r.token_ids == x for r, x in zip(res, ref)) / max(len(ref), 1),
+            "acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
+            "acceptance_by_pos": [a / d if d else None for a, d in zip(by_a, by_d)],
+            "accepted_per_cycle": accepted / by_d[0] if by_d and by_d[0] else None,  # a drafting cycle drafts pos 1
+            "tokens_per_cycle": sum(len(r.token_ids) - 1 for r in res) / max(checks, 1),
+            "tok_s": sp["tok_s"], "speedup_vs_base_tau1": sp["tok_s"] / max(base_tok_s, 1e-9),
+        }
 
     # -- the whole report -------------------------------------------------------------------------
     def run(self, heldout: list[Record], progress: bool = True) -> dict[str, Any]:
@@ -136,7 +180,7 @@ class Evaluator:
             if r.prompt_idx not in seen and len(prompts) < cfg.num_prompts:
                 seen.add(r.prompt_idx)
                 prompts.append(r.prompt_ids)
-        steps = 3 + 3 * len(cfg.taus) + len(cfg.frontier_taus) * len(cfg.confidences)
+        steps = 3 + 3 * len(cfg.taus) + len(cfg.frontier_taus) * len(cfg.confidences) + len(cfg.exact_taus)
         bar = tqdm(total=steps, desc="dmtd eval", disable=not progress, dynamic_ncols=True)
 
         def tick(what: str) -> None:
@@ -175,9 +219,29 @@ class Evaluator:
                                            "speedup": sp["tok_s"] / max(t1["tok_s"], 1e-9),
                                            "ppl_ratio": q["judge_ppl"] / report["base"]["judge_ppl"]})
                 tick(f"frontier τ={tau} c={c}")
+        if cfg.exact_taus:
+            report["exact"] = self.run_exact(prompts, base_out, var_engine, tick)
         bar.close()
         report["operating_point"] = pick_operating_point(report["frontier"])
         return report
+
+    def run_exact(self, prompts: list[list[int]], base_out: list[list[int]], var_engine: LLMEngine,
+                  tick: Any) -> dict[str, Any]:
+        """The exact profile's section: the base's τ = 1 speed, then one row per τ of ``exact_taus``."""
+        cfg = self.cfg
+        threshold = self.manifest.min_confidence if cfg.draft_threshold is None else cfg.draft_threshold
+        # what the exact tokens must equal: the base's greedy tokens, or the variant's own τ = 1 ones
+        ref = base_out if self.verifier.name == "base" else [r.token_ids for r in self.generate(var_engine, prompts, 1)]
+        base_tok_s = self.speed(self.engine(self.base.model, self.plain, 1), prompts, 1)["tok_s"]
+        engine = self.engine(self.variant.model, self.dmtd, cfg.batch_size, exact=True)
+        speed_engine = self.engine(self.variant.model, self.dmtd, 1, exact=True)
+        out: dict[str, Any] = {"verifier": self.verifier.name, "draft_threshold": threshold,
+                               "draft_vocab": len(self.draft_vocab) if self.draft_vocab else None,
+                               "base_tau1_tok_s": base_tok_s, "tau": {}}
+        for tau in cfg.exact_taus:
+            out["tau"][str(tau)] = self.exact(engine, speed_engine, prompts, tau, threshold, ref, base_tok_s)
+            tick(f"exact τ={tau}")
+        return out
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -219,6 +283,13 @@ def headline(report: dict[str, Any], default_tau: int, min_confidence: float, co
         p = match[0]
         out["default_point"] = {"tau": default_tau, "min_confidence": min_confidence, "ppl_ratio": r3(p["ppl_ratio"]),
                                 "speedup": r3(p["speedup"]), "mean_block_len": r3(p["mean_block_len"])}
+    ex = report.get("exact")
+    if ex:
+        out["exact"] = {"verifier": ex["verifier"], "draft_threshold": ex["draft_threshold"], "tau": {
+            t: {"tokens_match": r3(v["tokens_match"]),
+                **{k: None if v[k] is None else r3(v[k]) for k in ("acceptance", "accepted_per_cycle")},
+                "acceptance_by_pos": [None if a is None else r3(a) for a in v["acceptance_by_pos"]],
+                "speedup_vs_base_tau1": r3(v["speedup_vs_base_tau1"])} for t, v in ex["tau"].items()}}
     op = report.get("operating_point")
     out["operating_point"] = None if op is None else {
         "tau": op["tau"], "min_confidence": op["min_confidence"], "ppl_ratio": r3(op["ppl_ratio"]),

@@ -20,6 +20,17 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
     for p in r["frontier"]:
         lines.append(f"    τ={p['tau']} c={p['min_confidence']:.2f} → {p['ppl_ratio']:.3f}×, "
                      f"{p['speedup']:.2f}×, {p['mean_block_len']:.2f}")
+    ex = r.get("exact")
+    if ex:
+        lines.append(f"  exact profile (verifier {ex['verifier']}, draft threshold {ex['draft_threshold']:g}; base τ=1 "
+                     f"{ex['base_tau1_tok_s']:.1f} tok/s): τ | tokens = verifier's | acceptance | by tail position | "
+                     "accepted/cycle | tok/s | speedup")
+        for tau, v in ex["tau"].items():
+            def f(x: float | None) -> str:
+                return "–" if x is None else f"{x:.2f}"
+            lines.append(f"    {tau} | {v['tokens_match']:.0%} | {f(v['acceptance'])} | "
+                         f"{' '.join(f(a) for a in v['acceptance_by_pos'])} | {f(v['accepted_per_cycle'])} | "
+                         f"{v['tok_s']:.1f} | {v['speedup_vs_base_tau1']:.2f}×")
     op = r.get("operating_point")
     lines.append("  operating point: " + ("none within 1.15× of the base's judge perplexity" if op is None else
                  f"τ={op['tau']} min_confidence={op['min_confidence']} ({op['ppl_ratio']:.3f}× ppl, "

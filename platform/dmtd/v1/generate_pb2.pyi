@@ -14,6 +14,7 @@ class CycleProfile(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CYCLE_PROFILE_BALANCED: _ClassVar[CycleProfile]
     CYCLE_PROFILE_SPEED: _ClassVar[CycleProfile]
     CYCLE_PROFILE_EXACT: _ClassVar[CycleProfile]
+    CYCLE_PROFILE_ADAPTIVE: _ClassVar[CycleProfile]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ CYCLE_PROFILE_QUALITY: CycleProfile
 CYCLE_PROFILE_BALANCED: CycleProfile
 CYCLE_PROFILE_SPEED: CycleProfile
 CYCLE_PROFILE_EXACT: CycleProfile
+CYCLE_PROFILE_ADAPTIVE: CycleProfile
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -174,7 +176,7 @@ class TokenBlock(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., block_index: _Optional[int] = ..., k: _Optional[int] = ..., tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., confidence: _Optional[_Union[ConfidenceSummary, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., variant: _Optional[str] = ..., replica: _Optional[str] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verifier: _Optional[str] = ...) -> None: ...
 
 class VariantInfo(_message.Message):
-    __slots__ = ("name", "base_model", "status", "traffic_weight", "tau_min", "tau_max", "default_tau", "min_confidence", "num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "phase_anchor", "head_input", "revision", "is_default")
+    __slots__ = ("name", "base_model", "status", "traffic_weight", "tau_min", "tau_max", "default_tau", "min_confidence", "num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "phase_anchor", "head_input", "revision", "is_default", "default_profile", "verifier")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +192,8 @@ class VariantInfo(_message.Message):
     HEAD_INPUT_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_model: str
     status: str
@@ -205,7 +209,9 @@ class VariantInfo(_message.Message):
     head_input: str
     revision: int
     is_default: bool
-    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., status: _Optional[str] = ..., traffic_weight: _Optional[float] = ..., tau_min: _Optional[int] = ..., tau_max: _Optional[int] = ..., default_tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., num_encoding_layers: _Optional[int] = ..., num_thinking_layers: _Optional[int] = ..., num_decoding_layers: _Optional[int] = ..., phase_anchor: _Optional[str] = ..., head_input: _Optional[str] = ..., revision: _Optional[int] = ..., is_default: _Optional[bool] = ...) -> None: ...
+    default_profile: str
+    verifier: str
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., status: _Optional[str] = ..., traffic_weight: _Optional[float] = ..., tau_min: _Optional[int] = ..., tau_max: _Optional[int] = ..., default_tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., num_encoding_layers: _Optional[int] = ..., num_thinking_layers: _Optional[int] = ..., num_decoding_layers: _Optional[int] = ..., phase_anchor: _Optional[str] = ..., head_input: _Optional[str] = ..., revision: _Optional[int] = ..., is_default: _Optional[bool] = ..., default_profile: _Optional[str] = ..., verifier: _Optional[str] = ...) -> None: ...
 
 class ListVariantsRequest(_message.Message):
     __slots__ = ()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
+from dmtd.engine.model import LayerWeights
 from dmtd.engine.verifier import Verifier, own_verifier, snapshot_decoding_layers
 from dmtd.variants.loader import LoadedModel, load_model
 from dmtd.variants.manifest import (
@@ -21,10 +22,11 @@ from dmtd.variants.manifest import (
     read_manifest,
     sha256_file,
 )
+from dmtd_contract.variant_schema import LORA_A_SUFFIX, verifier_of
 
 BASE_TAU_MAX = 8
 LORA_FORMAT = "dmtd-lora-v1"
-LORA_A, LORA_B = ".lora_A", ".lora_B"
+LORA_A, LORA_B = LORA_A_SUFFIX, ".lora_B"
 
 
 def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -173,10 +175,35 @@ def _load_tensors(loaded: LoadedModel, manifest: VariantManifest, tensors: dict[
             own[k].copy_(t.to(own[k].dtype))
 
 
+def variant_verifier(dmtd: DMTDConfig, changed: set[str], base_layers: list[LayerWeights] | None) -> Verifier:
+    """The verifying path of a variant whose files changed the base tensors ``changed`` (``verifier_of``'s rule);
+    ``base_layers``: the base model's decoding-group weights, copied before the variant's were merged."""
+    name = verifier_of(changed, dmtd.decoding_start, dmtd.num_layers, dmtd.head_input)
+    if name == "base" and changed:
+        assert base_layers is not None, "a variant that changes base tensors needs the base copies to verify"
+        return Verifier("base", "replace", base_layers)
+    return own_verifier(dmtd, is_base=not changed)
+
+
 def engine_spec(model: str | None = None, variant: str | None = None, decoding_layers: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu",
                 search_dirs: list[Path] | None = None) -> EngineSpec:
-    """Resolve ``--model`` / ``--variant`` / ``--decoding-layers`` into a loaded model and routing."""
+    """Resolve ``--model`` / ``--variant`` / ``--decoding-layers`` into a loaded model and routing.
+
+    The model is loaded and the variant merged in float32, then cast to ``dtype`` (verifier copies too).
+    """
+    spec = _engine_spec(model, variant, decoding_layers, device, search_dirs)
+    if dtype != torch.float32:
+        spec.loaded.model.to(dtype)
+        if spec.verifier is not None and spec.verifier.layers is not None:
+            spec.verifier.layers = [LayerWeights._make(None if t is None else t.to(dtype) for t in w)
+                                    for w in spec.verifier.layers]
+    return spec
+
+
+def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | None, device: str,
+                 search_dirs: list[Path] | None) -> EngineSpec:
+    dtype = torch.float32
     if variant not in (None, "none"):
         mpath = find_variant(variant, search_dirs)
         manifest = read_manifest(mpath)
@@ -186,9 +213,7 @@ def engine_spec(model: str | None = None, variant: str | None = None, decoding_l
         fits = dmtd.num_layers == loaded.config.num_layers  # else apply_variant_weights names the mismatch
         base_layers = snapshot_decoding_layers(loaded.model, dmtd) if fits else None
         changed = apply_variant_weights(loaded, manifest, root)
-        prefix = tuple(f"layers.{i}." for i in range(dmtd.decoding_start, dmtd.num_layers))
-        verifier = (Verifier("base", "replace", base_layers) if base_layers is not None and changed
-                    and all(k.startswith(prefix) for k in changed) else own_verifier(dmtd, is_base=not changed))
+        verifier = variant_verifier(dmtd, changed, base_layers)
         if manifest.verifier is not None and manifest.verifier != verifier.name:
             raise ManifestError(f"variant {manifest.name!r}: verifier is {manifest.verifier!r} in the manifest, but "
                                 f"its tensors make it {verifier.name!r} (base: changes only in the decoding group)")
@@ -205,3 +230,30 @@ def engine_spec(model: str | None = None, variant: str | None = None, decoding_l
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
     return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_cycle_len=spec.default_tau,
                      verifier=spec.verifier, draft_vocab=spec.draft_vocab)
+
+
+def variant_precision(variant: str | None, dtype: str | None, quant: str | None, device: str,
+                      search_dirs: list[Path] | None = None, exact: bool | None = None) -> tuple[str, str]:
+    """dtype and quantisation to run: as given, else the variant manifest's recommendation, else auto / none.
+
+    ``auto`` is float32 for the exact profile (``exact``; None: the variant's default profile): verified
+    cycles give the verifier's tokens bit for bit in float32, while in bfloat16 a row's rounding depends on
+    what shares its step, so near-ties may resolve differently than decoding alone would.
+    """
+    from dmtd.engine.lowbit import resolve_dtype
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    manifest = None
+    if variant not in (None, "none") and (dtype is None or quant is None):
+        manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
+    if variant not in (None, "none") and manifest is None and exact is None:
+        manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
+    dtype = dtype or (manifest.dtype if manifest is not None else "auto")
+    quant = quant or (manifest.quant if manifest is not None else "none")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if exact is None:
+        exact = manifest is not None and manifest.default_profile == "exact"
+    if dtype == "auto" and exact:
+        return "float32", quant
+    return resolve_dtype(dtype, device), quant

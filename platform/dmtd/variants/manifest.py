@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dmtd.engine.config import DMTDConfig
-from dmtd_contract.variant_schema import HeadInput, PhaseAnchor
+from dmtd_contract.variant_schema import DefaultProfile, HeadInput, PhaseAnchor, VerifierName
 
 MANIFEST_NAME = "variant.json"
 
@@ -50,16 +50,19 @@ class VariantManifest(BaseModel):
     eval: dict[str, Any] | None = Field(None, description="headline results of `dmtd eval` on the variant")
     heldout: str | None = Field(None, description="JSONL sample of the corpus's held-out records (prompt and "
                                 "base completion ids), relative to the manifest, so `dmtd eval` runs anywhere")
-    default_profile: Literal["dmtd", "exact"] = Field(
+    default_profile: DefaultProfile = Field(
         "dmtd", description="cycle profile a request gets when it names none: 'dmtd' (gated tails emit their "
         "tokens) or 'exact' (verified cycles: tails are drafts, the output is the verifier's)")
-    verifier: Literal["base", "variant"] | None = Field(
+    verifier: VerifierName | None = Field(
         None, description="what the exact profile's output equals: 'base' (the base model; the variant changes "
         "only the decoding group and carries the base weights) or 'variant' (its own τ = 1 path); None = derived "
         "at load, checked when given")
     draft_vocab: str | None = Field(None, description="safetensors file (tensor token_ids) of the restricted tail "
                                     "vocabulary, relative to the manifest; None = the full vocabulary")
     draft_vocab_sha256: str | None = Field(None, description="SHA-256 of the draft_vocab file")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="recommended precision: 'auto' = bfloat16 on a CPU with AVX-512, else float32")
+    quant: Literal["none", "int8", "int4"] = Field("none", description="recommended weight-only quantisation")
 
     @model_validator(mode="after")
     def _tau_in_range(self) -> VariantManifest:

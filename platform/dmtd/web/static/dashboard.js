@@ -36,6 +36,7 @@ function bars(canvas, groups, series) {
   let ymax = 0;
   for (const s of series) for (const v of s.values) ymax = Math.max(ymax, v);
   canvas.dataset.points = String(series.reduce((n, s) => n + s.values.filter(v => v > 0).length, 0));
+  canvas.dataset.groups = String(groups.length);
   axes(ctx, w, h, pad, ymax || 1);
   if (!groups.length || !ymax) return;
   const gw = (w - pad - 16) / groups.length;
@@ -97,6 +98,9 @@ function card(name, v, stats) {
     ["τ in force", String(v.tau), "tau"],
     ["SLO attainment", v.slo_attainment === null ? "–" : fmt(100 * v.slo_attainment, 0) + " %", "slo"],
     ["requests / tokens", v.requests + " / " + v.total_tokens, "totals"],
+    ["exact: drafts accepted", v.exact ? v.exact.accepted + " / " + v.exact.drafted + " (" +
+      fmt(100 * v.exact.acceptance, 0) + " %)" : "–", "exact-acceptance"],
+    ["exact: accepted / cycle", v.exact ? fmt(v.exact.accepted_per_cycle, 2) : "–", "exact-per-cycle"],
     ["replica $/hour", "$" + fmt(v.usd_per_hour, 2), "usd-hour"],
   ];
   const t = el("table");
@@ -127,6 +131,14 @@ function render(stats) {
   const taus = [...new Set(names.flatMap(n => Object.keys(stats.variants[n].tau_hist)))].sort((a, b) => a - b);
   bars(document.getElementById("chart-tau"), taus.map(t => "τ=" + t),
        names.map(n => ({name: n, values: taus.map(t => stats.variants[n].tau_hist[t] || 0)})));
+  const exact = names.filter(n => stats.variants[n].exact);
+  const positions = [...new Set(exact.flatMap(n => stats.variants[n].exact.by_position.map(p => p.position)))]
+    .sort((a, b) => a - b);
+  bars(document.getElementById("chart-acceptance"), positions.map(p => "tail " + p),
+       exact.map(n => {
+         const byPos = Object.fromEntries(stats.variants[n].exact.by_position.map(p => [p.position, p.acceptance]));
+         return {name: n, values: positions.map(p => byPos[p] || 0)};
+       }));
   bars(document.getElementById("chart-latency"), ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95"],
        names.map(n => {
          const v = stats.variants[n];

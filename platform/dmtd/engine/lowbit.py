@@ -1,0 +1,212 @@
+"""bf16 and low-bit (int8, int4) weight-only linear layers, applied to a built model (gpt-fast style).
+
+Decoding on a CPU reads every weight once per step, so its speed is the bytes per weight. The model
+code knows nothing of this: :func:`pack_model` gives the engine packed copies of the projection weights
+and the lm_head, and :func:`dmtd.engine.model.project` multiplies by whichever it is handed.
+
+Formats (weights stored output-major, ``[N, K]``, in groups of 32 along K):
+
+* ``bf16`` — the weights rounded to bfloat16 (2 bytes each);
+* ``int8`` — a float scale per group of 32, ``w ≈ d·q`` with ``q`` in −127..127 (1.125 bytes each);
+* ``int4`` — a scale and a minimum per group, ``w ≈ d·q + m`` with ``q`` in 0..15 (0.75 bytes each,
+  the layout of GGUF's Q4_1).
+
+The kernels (``kernels/lowbit.cpp``, registered as ``torch.ops.dmtd.linear``) are compiled once for
+the CPU that runs them with the C++ compiler torch's extension builder finds, and cached under
+``$DMTD_CACHE/kernels``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+import dmtd.engine.ops  # noqa: F401 — defines the dmtd::linear schema
+from dmtd.engine.config import ConfigError
+
+Quant = Literal["none", "int8", "int4"]
+QUANTS: tuple[str, ...] = ("none", "int8", "int4")
+MODES = {"bf16": 1, "int8": 2, "int4": 3}
+GROUP = 32
+SOURCE = Path(__file__).parent / "kernels" / "lowbit.cpp"
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+_load_error = ""
+
+
+class KernelUnavailable(ConfigError):
+    """The low-bit kernels cannot be built or run on this machine."""
+
+
+def _build_dir() -> Path:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("DMTD_CACHE", Path.home() / ".cache" / "dmtd"))
+    return root / "kernels" / f"lowbit-{key}"
+
+
+def load_kernels() -> None:
+    """Build (once per CPU and torch version) and load the kernels; :class:`KernelUnavailable` if impossible."""
+    global _loaded, _load_error
+    with _lock:
+        if _loaded is None and os.environ.get("DMTD_LOWBIT_KERNELS") == "0":
+            _loaded, _load_error = False, "turned off by DMTD_LOWBIT_KERNELS=0"
+        if _loaded is None:
+            try:
+                from torch.utils import cpp_extension
+
+                build = _build_dir()
+                build.mkdir(parents=True, exist_ok=True)
+                if not any(build.glob("*.so")):
+                    print(f"compiling the low-bit kernels for this CPU (once; {build}) ...", file=sys.stderr)
+                cpp_extension.load(name="dmtd_lowbit", sources=[str(SOURCE)], build_directory=str(build),
+                                   extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                _loaded = True
+            except Exception as e:  # noqa: BLE001 — no compiler, no ninja, a build error: all mean "not here"
+                _loaded, _load_error = False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        if not _loaded:
+            raise KernelUnavailable(f"the low-bit kernels cannot be built on this machine ({_load_error})")
+
+
+def kernels_available() -> bool:
+    try:
+        load_kernels()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """A projection's weight in a packed format; ``project(x)`` is ``x @ W`` for the dense ``W [K, N]``."""
+
+    fmt: str  # "bf16" | "int8" | "int4"
+    data: torch.Tensor  # [N, K] bf16/int8, or [N, K/2] uint8 (two 4-bit weights per byte)
+    scales: torch.Tensor  # [N, K/32] (int8), [N, K/32, 2] scale and minimum (int4), empty (bf16)
+    in_features: int
+    out_features: int
+
+    @property
+    def mode(self) -> int:
+        return MODES[self.fmt]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        if not _loaded:
+            load_kernels()
+        return torch.ops.dmtd.linear(x, self.data, self.scales, self.mode)
+
+    def rows(self, ids: torch.Tensor) -> PackedWeight:
+        """The output rows ``ids`` (a restricted lm_head)."""
+        return PackedWeight(self.fmt, self.data[ids].contiguous(), self.scales[ids].contiguous()
+                            if self.scales.numel() else self.scales, self.in_features, len(ids))
+
+    def dense(self) -> torch.Tensor:
+        """The weight as the format stores it, dequantised to float32 ``[K, N]`` (tests, quality reports)."""
+        return unpack(self).t()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def pack(w_out_major: torch.Tensor, fmt: str) -> PackedWeight:
+    """Quantise a dense weight ``[N, K]`` (output-major, as F.linear holds it) into ``fmt``."""
+    if fmt not in MODES:
+        raise ConfigError(f"weight format must be one of {sorted(MODES)}, got {fmt!r}")
+    w = w_out_major.detach().float().contiguous()
+    N, K = w.shape
+    if K % GROUP:
+        raise ConfigError(f"{fmt} weights need an input size that is a multiple of {GROUP}, got {K}")
+    if fmt == "bf16":
+        return PackedWeight(fmt, w.to(torch.bfloat16).contiguous(), torch.empty(0), K, N)
+    g = w.view(N, K // GROUP, GROUP)
+    if fmt == "int8":
+        d = g.abs().amax(-1) / 127.0
+        q = torch.round(g / d.clamp(min=1e-30).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return PackedWeight(fmt, q.view(N, K).contiguous(), d.contiguous(), K, N)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15.0
+    q = torch.round((g - lo.unsqueeze(-1)) / d.clamp(min=1e-30).unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    half = GROUP // 2
+    packed = q[..., :half] | (q[..., half:] << 4)  # byte j: weight j (low nibble), weight j + 16 (high)
+    return PackedWeight(fmt, packed.reshape(N, K // 2).contiguous(), torch.stack((d, lo), -1).contiguous(), K, N)
+
+
+def unpack(p: PackedWeight) -> torch.Tensor:
+    """The dense ``[N, K]`` float32 weight a packed one stands for."""
+    N, K = p.out_features, p.in_features
+    if p.fmt == "bf16":
+        return p.data.float()
+    if p.fmt == "int8":
+        return (p.data.view(N, K // GROUP, GROUP).float() * p.scales.unsqueeze(-1)).view(N, K)
+    b = p.data.view(N, K // GROUP, GROUP // 2)
+    q = torch.cat((b & 0xF, b >> 4), -1).float()
+    return (q * p.scales[..., :1] + p.scales[..., 1:]).view(N, K)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on a CPU with AVX-512 (measured ~2x fp32 at batch 1 there, `dmtd bench engine`),
+    else float32."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cpu" and "avx512f" in cpu_flags() and kernels_available() else "float32"
+
+
+def weight_format(dtype: str, quant: str, device: str = "cpu") -> str | None:
+    """The packed format an engine with this dtype and quantisation uses (None: torch's own dense matmuls).
+
+    Raises :class:`KernelUnavailable` (a ConfigError) when ``quant`` asks for kernels this machine cannot run.
+    """
+    if quant not in QUANTS:
+        raise ConfigError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if quant != "none":
+        if device != "cpu":
+            raise KernelUnavailable(f"quant {quant!r} runs on CPU only (device {device!r}); supported there: none")
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"quant {quant!r} needs dtype float32 or bfloat16, got {dtype!r}")
+        try:
+            load_kernels()
+        except KernelUnavailable as e:
+            raise KernelUnavailable(f"quant {quant!r} cannot run here: {e}; supported on this machine: none") from e
+        return quant
+    return "bf16" if dtype == "bfloat16" and device == "cpu" and kernels_available() else None
+
+
+def pack_layers(layers: list, fmt: str) -> list:
+    """Packed copies of LayerWeights: the four projections packed, norms and biases kept as they are."""
+    out = []
+    for w in layers:
+        out.append(w._replace(qkv=_pack_in_major(w.qkv, fmt), o=_pack_in_major(w.o, fmt),
+                              gate_up=_pack_in_major(w.gate_up, fmt), down=_pack_in_major(w.down, fmt)))
+    return out
+
+
+def _pack_in_major(w: torch.Tensor | PackedWeight, fmt: str) -> PackedWeight:
+    if isinstance(w, PackedWeight):
+        if w.fmt != fmt:
+            raise ConfigError(f"weights already packed as {w.fmt}, asked for {fmt}")
+        return w
+    return pack(w.t(), fmt)

@@ -1,0 +1,16 @@
+"""The exact profile's numeric inputs on the commands that take them: refused with exit code 2, naming the
+flag, before any model loads or any benchmark runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from dmtd.cli import main
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan"])
+def test_bench_engine_refuses_a_draft_threshold_out_of_range(value, capsys):
+    assert main(["bench", "engine", "--draft-threshold", value, "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr()
+    assert f"--draft-threshold: must be in [0, 1], got {float(value)}" in err.err
+    assert "measuring" not in err.out  # refused before the bandwidth measurement starts

@@ -1,0 +1,157 @@
+"""bf16 / int8 / int4 weight-only kernels: what they compute, and engines that run on them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dmtd.engine import lowbit
+from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.sequence import SamplingParams
+from tests.conftest import tiny_model
+
+FORMATS = ["bf16", "int8", "int4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    lowbit.load_kernels()  # compiled once per CPU and torch version, cached under $DMTD_CACHE/kernels
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_error_is_within_half_a_step_of_each_group(fmt):
+    torch.manual_seed(0)
+    w = torch.randn(48, 96) * torch.linspace(0.01, 3, 96)  # groups of very different ranges
+    p = lowbit.pack(w, fmt)
+    back = lowbit.unpack(p)
+    err = (back - w).abs().view(48, 3, 32)
+    if fmt == "bf16":
+        assert (err <= w.abs().view(48, 3, 32) * 2 ** -8 + 1e-30).all()
+    elif fmt == "int8":
+        step = p.scales.unsqueeze(-1)
+        assert (err <= step / 2 + 1e-6).all()
+    else:
+        step = p.scales[..., :1]
+        assert (err <= step / 2 + 1e-6).all()
+        assert p.data.dtype == torch.uint8 and p.data.shape == (48, 48)
+    assert p.nbytes < w.numel() * 4 * {"bf16": 0.51, "int8": 0.29, "int4": 0.2}[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 40])
+def test_kernel_equals_the_dense_product_of_the_packed_weight(fmt, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(70, 128)  # 70 output rows: not a multiple of the kernel's row chunk
+    p = lowbit.pack(w, fmt)
+    x = torch.randn(rows, 128)
+    ref = x @ lowbit.unpack(p).t()
+    y = p.project(x)
+    assert y.shape == (rows, 70) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    yb = p.project(x.to(torch.bfloat16).view(rows, 1, 128))  # bf16 activations, any leading shape
+    assert yb.dtype == torch.bfloat16 and yb.shape == (rows, 1, 70)
+    refb = x.to(torch.bfloat16).float() @ lowbit.unpack(p).t()
+    torch.testing.assert_close(yb.float().view(rows, 70), refb, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
+    """Up to 8 rows share one weight pass row by row: batching never changes a row's result (exactness)."""
+    torch.manual_seed(1)
+    p = lowbit.pack(torch.randn(64, 96), fmt)
+    x = torch.randn(6, 96)
+    together = p.project(x)
+    for i in range(6):
+        assert torch.equal(p.project(x[i: i + 1])[0], together[i])
+
+
+def test_bad_shapes_and_formats_are_refused_with_the_rule():
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        lowbit.pack(torch.randn(8, 40), "int8")
+    with pytest.raises(ConfigError, match="weight format must be one of"):
+        lowbit.pack(torch.randn(8, 64), "int3")
+    with pytest.raises(ConfigError, match="quant must be none, int8 or int4"):
+        EngineConfig(quant="int2")
+    with pytest.raises(ConfigError, match="needs dtype float32 or bfloat16"):
+        EngineConfig(quant="int8", dtype="float64")
+
+
+DMTD = DMTDConfig(0, 4, 2, tau_max=4)
+
+
+def _tiny(dtype: torch.dtype = torch.float32):
+    return tiny_model(seed=3, hidden_size=64, intermediate_size=128).to(dtype)
+
+
+def _dequantised_copy(model, fmt: str):
+    """The same model with every projection and the (tied) head replaced by what ``fmt`` stores."""
+    ref = tiny_model(seed=3, hidden_size=64, intermediate_size=128)
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in ref.layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                         layer.mlp.down_proj):
+                proj.weight.copy_(lowbit.unpack(lowbit.pack(proj.weight.t(), fmt)).t())
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantised_engine_computes_its_dequantised_model(fmt):
+    model = _tiny()
+    eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=128, quant=fmt),
+                    default_cycle_len=1, eos_token_ids=[])
+    assert eng.runner.weight_format == fmt
+    ref_model = _dequantised_copy(model, fmt)
+    head = lowbit.unpack(eng.runner.head)  # the packed tied head, as stored
+    prompt = list(range(3, 14))
+    res = eng.generate([prompt], SamplingParams(max_new_tokens=12, cycle_len=1))[0]
+    ids = torch.tensor([prompt + res.token_ids[:-1]])
+    with torch.no_grad():
+        h = ref_model.run_layers(ref_model.embed_tokens(ids), 0, 6, *ref_model.rope(torch.arange(ids.shape[1])[None]))
+        logits = ref_model.norm(h) @ head.t()
+    assert logits[0, len(prompt) - 1:].argmax(-1).tolist() == res.token_ids
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tau", [2, 4])
+def test_quantised_exact_profile_equals_its_own_tau1_tokens(fmt, tau):
+    """Verified cycles on packed weights: the output is the same engine's τ = 1 output, batched or not."""
+    model = _tiny()
+    eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=128, quant=fmt),
+                    default_cycle_len=1, eos_token_ids=[])
+    prompts = [list(range(2, 2 + n)) for n in (5, 9, 3)]
+    base = eng.generate(prompts, SamplingParams(max_new_tokens=20, cycle_len=1))
+    exact = eng.generate(prompts, SamplingParams(max_new_tokens=20, cycle_len=tau, exact=True))
+    assert [r.token_ids for r in exact] == [r.token_ids for r in base]
+    assert sum(r.num_drafted for r in exact) > 0
+
+
+def test_bf16_engine_uses_the_packed_kernels_and_refuses_a_model_of_another_dtype():
+    eng = LLMEngine(_tiny(torch.bfloat16), None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=64,
+                                                                    dtype="bfloat16"),
+                    default_cycle_len=1, eos_token_ids=[])
+    assert eng.runner.weight_format == "bf16"
+    assert len(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))[0].token_ids) == 5
+    with pytest.raises(ConfigError, match="dtype is bfloat16 but the model's weights are float32"):
+        LLMEngine(_tiny(), None, DMTD, EngineConfig(dtype="bfloat16"), eos_token_ids=[])
+
+
+def _dmtd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dmtd", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def test_cli_refuses_an_unknown_quantisation_and_one_this_machine_cannot_run():
+    r = _dmtd("generate", "--prompt", "hi", "--quant", "int3")
+    assert r.returncode == 2 and "--quant" in r.stderr and "int4" in r.stderr
+    r = _dmtd("generate", "--prompt", "hi", "--dtype", "float16")
+    assert r.returncode == 2 and "--dtype" in r.stderr and "bfloat16" in r.stderr
+    r = _dmtd("generate", "--prompt", "hi", "--variant", "none", "--quant", "int4", "--max-new-tokens", "2",
+              env={"DMTD_LOWBIT_KERNELS": "0"})
+    assert r.returncode == 2, r.stderr
+    assert "quant 'int4' cannot run here" in r.stderr and "supported on this machine: none" in r.stderr
