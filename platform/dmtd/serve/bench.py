@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dmtd.serve.bench_stages import collect_stages, cpu_per_token, cpu_snapshot
 from dmtd_contract.stats import percentile
 
 POLICIES = {"tau1": (1, 1), "tau3": (3, 3), "adaptive": (0, 0)}
@@ -43,30 +44,35 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="closed-loop runs per row (stack and engine in turn); the row is the best one of each")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency and engine TTFT")
 
 
-def one_request(target: str, i: int, policy: str, max_new: int, request_id: str = "") -> dict[str, Any]:
+def one_request(target: Any, i: int, policy: str, max_new: int, request_id: str = "") -> dict[str, Any]:
+    """One streamed chat request; ``target`` is a gateway address or an open ``DMTDClient`` (its channel is
+    reused, as a real client's is: no connection set-up in the request's TTFT)."""
     from dmtd.client import DMTDClient
 
+    if isinstance(target, str):
+        with DMTDClient(target) as c:
+            return one_request(c, i, policy, max_new, request_id)
     lo, hi = POLICIES[policy]
     t0 = time.perf_counter()
     itl: list[float] = []
     first = last = None
     tokens = 0
-    with DMTDClient(target) as c:
-        for b in c.generate(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                            max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi,
-                            request_id=request_id):
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            elif b.k:
-                itl.extend([(now - (last or now)) * 1e3 / b.k] * b.k)
-            last = now
-            tokens += b.k
+    for b in target.generate(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                             max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi, request_id=request_id):
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        elif b.k:
+            itl.extend([(now - (last or now)) * 1e3 / b.k] * b.k)
+        last = now
+        tokens += b.k
     return {"ttft_ms": ((first or t0) - t0) * 1e3, "e2e_ms": ((last or t0) - t0) * 1e3, "tokens": tokens,
             "itl_ms": itl}
 
@@ -94,13 +100,21 @@ def engine_columns(row: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
 def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int,
                 tag: str = "") -> tuple[list, float]:
     """N workers × ``per_worker`` back-to-back requests; with ``tag``, request ids are ``{tag}-{i}``."""
-    def worker(w: int) -> list[dict[str, Any]]:
-        return [one_request(target, w * 100 + j, policy, max_new, f"{tag}-{w * 100 + j}" if tag else "")
-                for j in range(per_worker)]
+    from dmtd.client import DMTDClient
 
-    t0 = time.perf_counter()
+    def worker(w: int) -> list[dict[str, Any]]:
+        with DMTDClient(target) as c:  # one channel per worker, connected before the clock starts
+            c.list_variants()
+            start.wait()
+            return [one_request(c, w * 100 + j, policy, max_new, f"{tag}-{w * 100 + j}" if tag else "")
+                    for j in range(per_worker)]
+
+    start = threading.Barrier(n + 1, timeout=120)
+
     with ThreadPoolExecutor(n) as pool:
         futs = [pool.submit(worker, w) for w in range(n)]
+        start.wait()
+        t0 = time.perf_counter()
         results = [r for f in futs for r in f.result()]
     return results, time.perf_counter() - t0
 
@@ -157,22 +171,38 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         if args.rate > 0:
             jobs += [(p, -1) for p in policies]
         for policy, n in tqdm(jobs, desc="bench serve", unit="run"):
-            tag = f"bench-{policy}-n{n}-{uuid.uuid4().hex[:8]}"
-            if n > 0:
-                res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens, tag)
-                mode = {"mode": "closed", "concurrency": n}
-            else:
-                res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
-                mode = {"mode": "open", "rate": args.rate}
-            row = {"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)}
-            if started and n > 0:
-                from dmtd.serve.bench_stages import collect_stages
-
-                row["stages"] = collect_stages("dmtd", tag, len(res))
-            if engine is not None and n > 0:
-                eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n, args.requests_per_worker,
-                                                 args.max_new_tokens, PROMPTS)
-                row.update(engine_columns(row, summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)))
+            tries: list[dict[str, Any]] = []
+            engine_tries: list[dict[str, Any]] = []
+            for _ in range(max(1, args.repeats) if n > 0 else 1):  # stack and engine in turn, R times each
+                tag = f"bench-{policy}-n{n}-{uuid.uuid4().hex[:8]}"
+                if n > 0:
+                    cpu0 = cpu_snapshot() if started else None
+                    res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens, tag)
+                    cpu1 = cpu_snapshot() if started else None
+                    mode = {"mode": "closed", "concurrency": n}
+                else:
+                    res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
+                    mode = {"mode": "open", "rate": args.rate}
+                t = {"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)}
+                if started and n > 0:
+                    t["stages"] = collect_stages("dmtd", tag, len(res))
+                    if cpu0 and cpu1:
+                        t["cpu_ms_per_token"] = cpu_per_token(cpu0, cpu1, t["tokens"])
+                tries.append(t)
+                if engine is not None and n > 0:
+                    c0 = cpu_snapshot()["client"]
+                    eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n,
+                                                     args.requests_per_worker, args.max_new_tokens, PROMPTS)
+                    e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
+                    e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
+                    engine_tries.append(e)
+            row = max(tries, key=lambda r: r["tokens_per_s"])  # best of the repeats, as bench engine reports
+            if len(tries) > 1:
+                row["repeats_tokens_per_s"] = [r["tokens_per_s"] for r in tries]
+            if engine_tries:
+                row.update(engine_columns(row, max(engine_tries, key=lambda r: r["tokens_per_s"])))
+                if len(engine_tries) > 1:
+                    row["repeats_engine_tokens_per_s"] = [r["tokens_per_s"] for r in engine_tries]
             rows.append(row)
     finally:
         if started:
@@ -200,6 +230,16 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
                       f"{r['engine_tokens_per_s']:>12.1f} {r['stack_efficiency']:>10.2f} "
                       f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
                       f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
+    cpu_rows = [r for r in rows if "cpu_ms_per_token" in r]
+    if cpu_rows:
+        print("\nCPU ms per token (stack processes; engine: the in-process engine's run):\n"
+              f"{'N':>4} {'policy':>9} {'replica':>8} {'gateway':>8} {'client':>7} {'ray':>6} {'total':>7} "
+              f"{'engine':>7}")
+        for r in cpu_rows:
+            c = r["cpu_ms_per_token"]
+            eng = r.get("engine", {}).get("cpu_ms_per_token", 0.0)
+            print(f"{r['concurrency']:>4} {r['policy']:>9} {c['replica']:>8.2f} {c['gateway']:>8.2f} "
+                  f"{c['client']:>7.2f} {c['ray']:>6.2f} {sum(c.values()):>7.2f} {eng:>7.2f}")
     staged = [r for r in rows if r.get("stages", {}).get("requests")]
     if staged:
         from dmtd.serve.bench_stages import STAGES

@@ -75,6 +75,32 @@ def collect_stages(app: str, tag: str, expected: int | None = None, wait_s: floa
     return stage_table(gateway, replica)
 
 
+ROLE_PREFIXES = {"replica": "ray::ServeReplica:dmtd:DMTDReplica", "gateway": "ray::ServeReplica:dmtd:Gateway"}
+
+
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds used so far by this process (the load generator, here: ``client``) and by the stack it
+    started (its descendants: ``replica``, ``gateway``, and ``ray`` for Ray's and Serve's other processes)."""
+    import psutil
+
+    me = psutil.Process()
+    out = {"client": sum(me.cpu_times()[:2]), "replica": 0.0, "gateway": 0.0, "ray": 0.0}
+    for p in me.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        role = next((r for r, prefix in ROLE_PREFIXES.items() if cmd.startswith(prefix)), "ray")
+        out[role] += t.user + t.system
+    return out
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU ms per generated token of each process group between two snapshots."""
+    return {k: (after[k] - before.get(k, 0.0)) * 1e3 / max(tokens, 1) for k in after}
+
+
 def plot_stages(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     """Stacked bars: ms per token in each stage, one bar per closed-loop row."""
     import matplotlib

@@ -104,8 +104,11 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
 
 def build_local_engine(variant: str, model: str | None, decoding_layers: int | None, max_num_seqs: int,
                        itl_slo_ms: float) -> tuple[LLMEngine, ControllerConfig]:
-    """The engine and controller settings a replica of this variant builds (``app.EngineFactory``)."""
+    """The engine and controller settings a replica of this variant builds (``app.EngineFactory``), on every
+    core of this machine."""
+    import os
+
     from dmtd.serve.app import EngineFactory
 
     return EngineFactory(variant=variant, model=model, decoding_layers=decoding_layers, max_num_seqs=max_num_seqs,
-                         itl_slo_ms=itl_slo_ms)()
+                         itl_slo_ms=itl_slo_ms, torch_threads=os.cpu_count() or 1)()

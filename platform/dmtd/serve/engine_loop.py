@@ -1,8 +1,14 @@
 """The replica's engine loop: admissions, steps, block dispatch, the controller's τ and gate.
 
-Only the loop task touches the engine, between steps; each step (and each prompt's tokenisation) runs in a
-one-thread executor so the event loop keeps serving while the model computes. One request's failure ends
-that request only; a supervisor restarts the loop if it ever ends.
+Only the loop task touches the engine, between steps; each step (with the admissions before it) and each
+prompt's tokenisation runs in a one-thread executor so the event loop keeps serving while the model
+computes. One request's failure ends that request only; a supervisor restarts the loop if it ever ends.
+
+Every torch call of the replica runs on that one executor thread, the engine's construction included
+(``DMTDReplica`` builds it there). OpenMP gives each thread that opens a parallel region a pool of its own;
+with a second pool the process manages more OpenMP threads than there are cores, and libgomp then stops
+spinning between parallel regions: every region pays a futex wake-up, which took a decode step on two cores
+from 15 ms to 30 ms (docs/benchmarks.md, "The stack against the engine").
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 from dmtd_contract.records import Block, ReplicaRequest, Usage
 
 log = logging.getLogger("dmtd.replica")
+
+
+def engine_executor() -> ThreadPoolExecutor:
+    """The one thread an engine runs on (its construction, admissions, steps and tokenisation)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
 
 
 @dataclass
@@ -51,7 +62,7 @@ class EngineLoop:
     """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
 
     def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
-                 telemetry: ReplicaTelemetry | None = None) -> None:
+                 telemetry: ReplicaTelemetry | None = None, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine, self.controller = engine, controller
         self.max_queued, self.replica_name = max_queued, replica_name
         self.telemetry = telemetry
@@ -59,7 +70,7 @@ class EngineLoop:
         self._adds: list[str] = []
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
+        self._executor = executor or engine_executor()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self.restarts = 0
@@ -183,10 +194,11 @@ class EngineLoop:
         if self.telemetry is not None:
             self.telemetry.on_finish(rid, reason, error=str(error))
 
-    def _admit(self, rid: str) -> None:
+    def _params(self, rid: str) -> tuple[str, int, float, SamplingParams] | None:
+        """A queued request's sampling parameters (on the loop thread); a malformed one fails here."""
         live = self.live.get(rid)
         if live is None:
-            return
+            return None
         r = live.req
         d = self.controller.decision
         tau = max(live.tau_lo, min(live.tau_hi, d.tau))
@@ -196,19 +208,55 @@ class EngineLoop:
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
                                     stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf,
                                     exact=r.profile == "exact")
-            self.engine.add_request(live.prompt_ids, params, req_id=rid)
         except RequestError as e:
             self._fail(rid, RequestFailed(e.field, str(e)))
-            return
-        except (ValueError, TypeError, OverflowError) as e:  # a field of the wrong type or range got this far
+            return None
+        except (ValueError, TypeError, OverflowError) as e:
             self._fail(rid, RequestFailed("request", f"request: rejected by the engine ({type(e).__name__}: {e})"))
+            return None
+        return rid, tau, conf, params
+
+    def _engine_work(self, admissions: list[tuple[str, int, float, SamplingParams]]
+                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None, float]:
+        """On the engine's thread: add the admitted requests, then run one step if any request is unfinished.
+        Returns each admission's error (None: added) and wall time, the step's outputs (None: no step) and
+        the step's seconds. An exception of the step itself propagates."""
+        added: list[tuple[str, BaseException | None, float]] = []
+        for rid, _tau, _conf, params in admissions:
+            live = self.live.get(rid)
+            if live is None:  # cancelled since it was queued
+                continue
+            try:
+                self.engine.add_request(live.prompt_ids, params, req_id=rid)
+                added.append((rid, None, time.time()))
+            except Exception as e:
+                added.append((rid, e, time.time()))
+        if not self.engine.has_unfinished():
+            return added, None, 0.0
+        t = time.perf_counter()
+        outputs = self.engine.step()
+        return added, outputs, time.perf_counter() - t
+
+    def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
+                  t_perf: float) -> None:
+        """Bookkeeping of one admission, back on the loop thread."""
+        live = self.live.get(rid)
+        if error is not None:
+            if isinstance(error, RequestError):
+                self._fail(rid, RequestFailed(error.field, str(error)))
+            elif isinstance(error, (ValueError, TypeError, OverflowError)):  # a field of the wrong type or range
+                self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
+                                                         f"({type(error).__name__}: {error})"))
+            else:
+                self._fail(rid, self._internal(rid, "admission failed", error))
             return
-        except Exception as e:
-            self._fail(rid, self._internal(rid, "admission failed", e))
+        if live is None:  # cancelled while it was being added: the next iteration aborts it
+            self._aborts.add(rid)
             return
+        r = live.req
         live.prompt_tokens = self.engine.seqs[rid].prompt_len
-        reached, live.t_admit_wall = live.t_admit_wall, time.time()
-        live.t_admit = live.t_last = time.perf_counter()
+        reached, live.t_admit_wall = live.t_admit_wall, t_wall
+        live.t_admit = live.t_last = t_perf
         if self.telemetry is not None:
             self.telemetry.on_admit(rid, live.prompt_tokens, tau, conf,
                                     max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0,
@@ -222,21 +270,26 @@ class EngineLoop:
                 self.engine.release(rid)
             self._aborts.clear()
             adds, self._adds = self._adds, []
-            for rid in adds:
-                self._admit(rid)
-            if not self.engine.has_unfinished():
+            admissions = [a for a in map(self._params, adds) if a is not None]
+            if not admissions and not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             t_step = time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                added, outputs, _ = await loop.run_in_executor(self._executor, self._engine_work, admissions)
             except Exception as e:  # an engine bug must not hang every stream
                 for rid in list(self.live):
                     self._fail(rid, self._internal(rid, "engine step failed", e))
                 continue
-            self.num_steps += 1
             now = time.perf_counter()
+            terms = {a[0]: a for a in admissions}
+            for rid, error, t_wall in added:
+                _, tau, conf, _ = terms[rid]
+                self._admitted(rid, tau, conf, error, t_wall, t_step)
+            if outputs is None:
+                continue
+            self.num_steps += 1
             step_ms = (now - t_step) * 1e3
             for rid in {o.req_id for o in outputs}:
                 if (lv := self.live.get(rid)) is not None:
