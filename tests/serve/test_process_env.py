@@ -6,7 +6,7 @@ import pytest
 
 from dmtd.serve.app import gateway_process_env, replica_process_env
 
-KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD", "DMTD_OMP_WAIT_POLICY",
+KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_GATEWAY_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD", "DMTD_OMP_WAIT_POLICY",
          "DMTD_OMP_SPIN_COUNT")
 
 
@@ -33,14 +33,18 @@ def test_serves_own_defaults_and_openmp_settings_on_request(monkeypatch):
     monkeypatch.setenv("DMTD_OMP_SPIN_COUNT", "7000")
     monkeypatch.setenv("DMTD_WORKER_NICENESS", "5")
     assert replica_process_env({})["GOMP_SPINCOUNT"] == "7000" and replica_process_env({})["RAY_worker_niceness"] == "5"
+    assert gateway_process_env({"gateway_niceness": 10})["RAY_worker_niceness"] == "10"
+    assert replica_process_env({"gateway_niceness": 10})["RAY_worker_niceness"] == "5"
 
 
 @pytest.mark.parametrize(("args", "field"), [
     ({"worker_niceness": 40}, "worker_niceness"),
+    ({"worker_niceness": "high"}, "worker_niceness"),
+    ({"gateway_niceness": "-21"}, "gateway_niceness"),
     ({"omp_spin_count": "fast"}, "omp_spin_count"),
     ({"omp_spin_count": -3}, "omp_spin_count"),
     ({"omp_wait_policy": "sometimes"}, "omp_wait_policy"),
 ])
 def test_bad_settings_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
-        replica_process_env(args)
+        replica_process_env(args) if field != "gateway_niceness" else gateway_process_env(args)

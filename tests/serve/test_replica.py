@@ -208,11 +208,16 @@ def test_the_engine_is_built_and_run_on_one_thread_only():
     def factory():
         seen.setdefault("build", set()).add(threading.get_ident())
         eng = tiny_engine(model, DMTD, max_num_seqs=4)
+        def recorded(name: str):
+            orig = getattr(eng, name)
+
+            def wrapped(*a, **k):
+                seen.setdefault(name, set()).add(threading.get_ident())
+                return orig(*a, **k)
+            return wrapped
+
         for name in ("add_request", "step", "encode"):
-            def wrapped(*a, _orig=getattr(eng, name), _name=name, **k):
-                seen.setdefault(_name, set()).add(threading.get_ident())
-                return _orig(*a, **k)
-            setattr(eng, name, wrapped)
+            setattr(eng, name, recorded(name))
         return eng, cfg
 
     rep = DMTDReplica(factory, max_queued=2, name="r0")

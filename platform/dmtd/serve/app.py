@@ -70,10 +70,6 @@ class EngineFactory:
 
         torch.set_num_threads(self.torch_threads or int(os.environ.get("DMTD_TORCH_THREADS", "0"))
                               or os.cpu_count() or 1)
-        if os.environ.get("DMTD_SWITCH_INTERVAL"):  # EXPERIMENT
-            import sys
-
-            sys.setswitchinterval(float(os.environ["DMTD_SWITCH_INTERVAL"]))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype, quant = variant_precision(self.variant, self.dtype, self.quant, device)
         spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
@@ -308,14 +304,19 @@ GatewayIngress = serve.ingress(http_app)(Gateway)
 DEFAULT_OMP_SPIN_COUNT: int | None = None  # OpenMP's own: a shorter spin measured slower (docs/benchmarks.md)
 
 
+def _niceness(name: str, value: Any) -> str:
+    text = str(value).strip()
+    if not text.lstrip("-").isdigit() or not -20 <= int(text) <= 19:
+        raise ValueError(f"{name}: must be a nice value in -20..19 (or 'ray' for Ray's own), got {value!r}")
+    return str(int(text))
+
+
 def serve_process_env(args: dict[str, Any]) -> dict[str, str]:
     """Environment of the gateway's and the replicas' Ray worker processes (see ``build_app``)."""
     env: dict[str, str] = {}
     niceness = args.get("worker_niceness", os.environ.get("DMTD_WORKER_NICENESS", 0))
     if niceness is not None and niceness not in ("", "ray"):
-        if not -20 <= int(niceness) <= 19:
-            raise ValueError(f"worker_niceness: must be in -20..19 or None, got {niceness!r}")
-        env["RAY_worker_niceness"] = str(int(niceness))
+        env["RAY_worker_niceness"] = _niceness("worker_niceness", niceness)
     if not args.get("serve_user_thread", os.environ.get("DMTD_SERVE_USER_THREAD", "") not in ("", "0")):
         env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "0"
     return env
@@ -325,6 +326,9 @@ def gateway_process_env(args: dict[str, Any]) -> dict[str, str]:
     """The gateway's: Serve's router on the gateway's own event loop (one thread hop less per streamed
     block; ``router_thread: true`` keeps Serve's default, a router loop in a thread of its own)."""
     env = serve_process_env(args)
+    nice = args.get("gateway_niceness", os.environ.get("DMTD_GATEWAY_NICENESS"))
+    if nice not in (None, ""):
+        env["RAY_worker_niceness"] = _niceness("gateway_niceness", nice)
     if not args.get("router_thread", os.environ.get("DMTD_SERVE_ROUTER_THREAD", "") not in ("", "0")):
         env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] = "0"
     return env
