@@ -36,6 +36,7 @@ class ReplicaRequest:
     profile: str = ""  # "" = the variant's default profile; else adaptive / quality / balanced / speed / exact
     arrival_s: float = 0.0
     traceparent: str = ""  # W3C trace context of the gateway span: the replica span becomes its child
+    sent_s: float = 0.0  # wall time the gateway handed it to Ray (the request's Ray hop, in the replica span)
 
 
 @dataclass(slots=True)
@@ -75,3 +76,9 @@ class Block:
     num_drafted: int = 0  # exact profile: drafts checked by the head that closed this block
     num_accepted: int = 0
     verifier: str = ""  # exact profile, last block: "base" or "variant"
+    # stage timings (the gateway sums them into its span): wall time of the engine steps this request ran in
+    # since its previous block; from the end of the step that completed the block to the replica handing it
+    # to Serve; and when that was (wall clock: the gateway's receipt minus it is the block's Ray hop)
+    step_ms: float = 0.0
+    dispatch_ms: float = 0.0
+    sent_s: float = 0.0

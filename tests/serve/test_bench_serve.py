@@ -32,3 +32,44 @@ def test_summary_arithmetic():
     assert s["tokens_per_s"] == 4.0 and s["slo_attainment"] == 0.5
     # nearest rank (dmtd_contract.stats.percentile): half of the six ITLs are <= 10 ms
     assert s["itl_p50_ms"] == 10.0 and s["ttft_p95_ms"] == 3000.0
+
+
+def test_compare_engine_runs_the_same_workload_on_an_in_process_engine(stack, tmp_path):
+    """``--compare-engine``: every closed-loop row gains the engine's tokens/s, TTFT and ITL for the same
+    workload, and ``stack_efficiency`` is the ratio of the two throughputs."""
+    p = argparse.ArgumentParser()
+    add_bench_serve_args(p)
+    out = tmp_path / "compare.json"
+    args = p.parse_args(["--server", stack.grpc_target, "--compare-engine", "--variant", "none", "--decoding-layers",
+                         "8", "--concurrency", "1,2", "--policies", "tau1,adaptive", "--requests-per-worker", "1",
+                         "--max-new-tokens", "6", "--repeats", "2", "--json", str(out)])
+    run_bench_serve(args, "unused")
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["policy"], r["concurrency"]) for r in rows} == {(p, n) for p in ("tau1", "adaptive") for n in (1, 2)}
+    for r in rows:
+        e = r["engine"]
+        assert e["tokens"] == r["tokens"] == 6 * r["concurrency"]  # the same requests, every token counted
+        assert r["engine_tokens_per_s"] == e["tokens_per_s"] > 0
+        assert abs(r["stack_efficiency"] - r["tokens_per_s"] / r["engine_tokens_per_s"]) < 1e-9
+        assert r["engine_ttft_p95_ms"] >= r["engine_ttft_p50_ms"] > 0 and r["engine_itl_p50_ms"] > 0
+        assert len(r["repeats_tokens_per_s"]) == 2 and r["tokens_per_s"] == max(r["repeats_tokens_per_s"])
+        assert e["cpu_ms_per_token"] > 0
+
+
+def test_stage_breakdown_comes_from_both_processes_spans(stack):
+    """The per-stage table of a closed-loop run: every stage present, the engine's steps inside each
+    request's lifetime, tokens as streamed."""
+    import uuid
+
+    from dmtd.serve.bench import closed_loop
+    from dmtd.serve.bench_stages import STAGES, collect_stages
+
+    tag = f"stages-{uuid.uuid4().hex[:8]}"
+    res, _ = closed_loop(stack.grpc_target, "tau1", 2, 2, 6, tag)
+    table = collect_stages(stack.app, tag, expected=4)
+    assert table["requests"] == 4 and table["tokens"] == sum(r["tokens"] for r in res) == 24
+    per_req = table["ms_per_request"]
+    assert set(per_req) == set(STAGES) and all(v >= 0 for v in per_req.values())
+    assert 0 < per_req["engine_step"] <= table["e2e_ms_per_request"]
+    assert per_req["ray_hop"] > 0 and per_req["client_write"] > 0
+    assert all(abs(table["ms_per_token"][k] - v * 4 / 24) < 1e-6 for k, v in per_req.items())

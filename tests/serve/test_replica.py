@@ -192,3 +192,44 @@ def test_temperatures_below_the_floor_are_greedy():
     tiny = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, cycle_len=2, temperature=1e-37,
                                                        seed=3))[0].token_ids
     assert tiny == greedy
+
+
+def test_the_engine_is_built_and_run_on_one_thread_only():
+    """OpenMP gives every thread that opens a parallel region a pool of its own; with two pools on two cores
+    libgomp stops spinning between regions and a decode step took twice as long (engine_loop's docstring).
+    So the engine's construction, admissions, tokenisation and steps all run on the engine's one thread,
+    never on the event loop's or the constructor's."""
+    import threading
+
+    seen: dict[str, set[int]] = {}
+    model = tiny_model(seed=21)
+    cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=2, max_batch=4, hold_steps=10**9)
+
+    def factory():
+        seen.setdefault("build", set()).add(threading.get_ident())
+        eng = tiny_engine(model, DMTD, max_num_seqs=4)
+        def recorded(name: str):
+            orig = getattr(eng, name)
+
+            def wrapped(*a, **k):
+                seen.setdefault(name, set()).add(threading.get_ident())
+                return orig(*a, **k)
+            return wrapped
+
+        for name in ("add_request", "step", "encode"):
+            setattr(eng, name, recorded(name))
+        return eng, cfg
+
+    rep = DMTDReplica(factory, max_queued=2, name="r0")
+
+    async def scenario() -> tuple[int, list[list[Block]]]:
+        out = await asyncio.gather(collect(rep, req("a", 12)), collect(rep, req("b", 9, tau_max=1)),
+                                   collect(rep, req("c", 5, prompt_token_ids=[7, 8, 9])))
+        return threading.get_ident(), list(out)
+
+    loop_thread, streams = asyncio.run(scenario())
+    assert [sum(b.k for b in s) for s in streams] == [12, 9, 5]
+    assert set(seen) == {"build", "add_request", "step", "encode"}
+    engine_threads = set().union(*seen.values())
+    assert len(engine_threads) == 1, seen
+    assert loop_thread not in engine_threads and threading.main_thread().ident not in engine_threads

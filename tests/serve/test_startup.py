@@ -40,7 +40,8 @@ def test_readiness_waits_are_sized_for_a_loaded_node_and_configurable():
     env: dict[str, str] = {}
     prepare_environment(ns.ready_timeout_s, env)
     assert all(env[v] == "60.0" for v in READY_ENV) and env["DMTD_SERVE_INTERNAL_HOST"] == "127.0.0.1"
-    env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120"}
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Serve's controller off the decoding cores
+    env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
     prepare_environment(30, env)  # an operator's own setting wins
-    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "120"
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "120" and env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
     assert env["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "30"

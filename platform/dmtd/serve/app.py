@@ -68,7 +68,8 @@ class EngineFactory:
         from dmtd.variants.build import build_engine, engine_spec, variant_precision
         from dmtd.variants.paths import SHIPPED_VARIANTS
 
-        torch.set_num_threads(self.torch_threads or os.cpu_count() or 1)
+        torch.set_num_threads(self.torch_threads or int(os.environ.get("DMTD_TORCH_THREADS", "0"))
+                              or os.cpu_count() or 1)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype, quant = variant_precision(self.variant, self.dtype, self.quant, device)
         spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
@@ -135,19 +136,31 @@ class Gateway:
         if default in router.routes:
             router.default = default
 
-    async def _follow_replicas(self, period_s: float = 2.0) -> None:
-        """Keep the replicas-ready gauge (and the dashboard's $/hour) at Serve's count of running replicas."""
-        from ray import serve
+    async def _follow_replicas(self, period_s: float = 10.0, start_period_s: float = 1.0) -> None:
+        """Keep the replicas-ready gauge (and the dashboard's $/hour) at Serve's count of running replicas.
 
+        Every ``start_period_s`` until each variant has a running replica, then every ``period_s``, and never
+        on this event loop's time: one ``serve.status()`` cost this process ~0.14 s of CPU (pydantic models
+        and a cloudpickled router class per deployment; py-spy: 21% of the gateway's samples under load with
+        a 2-s period), and the controller as much again, on the cores the replicas decode on. The controller's
+        plain instance details, counted here, skip the models on this side."""
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        app: str | None = None
         while True:
+            all_up = False
             with contextlib.suppress(Exception):
-                app = serve.get_replica_context().app_name
-                deployments = serve.status().applications[app].deployments
+                app = app or serve.get_replica_context().app_name
+                client: Any = _get_global_client()
+                details = await client._controller.get_serve_instance_details.remote()
+                deployments = details["applications"][app]["deployments"]
                 for variant, dep in self.replica_deployments.items():
-                    states = deployments[dep].replica_states if dep in deployments else {}
-                    running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
-                    self.telemetry.replicas_ready[variant] = int(running)
-            await asyncio.sleep(period_s)
+                    replicas = deployments.get(dep, {}).get("replicas", [])
+                    self.telemetry.replicas_ready[variant] = sum(
+                        1 for r in replicas if str(getattr(r.get("state"), "value", r.get("state"))) == "RUNNING")
+                all_up = all(self.telemetry.replicas_ready.get(v, 0) > 0 for v in self.replica_deployments)
+            await asyncio.sleep(period_s if all_up else start_period_s)
 
     async def info(self) -> dict[str, Any]:
         return {"grpc_port": self.grpc_port, "inflight": self.core.inflight, "accepted": self.core.accepted,
@@ -288,6 +301,55 @@ class Gateway:
 GatewayIngress = serve.ingress(http_app)(Gateway)
 
 
+DEFAULT_OMP_SPIN_COUNT: int | None = None  # OpenMP's own: a shorter spin measured slower (docs/benchmarks.md)
+
+
+def _niceness(name: str, value: Any) -> str:
+    text = str(value).strip()
+    if not text.lstrip("-").isdigit() or not -20 <= int(text) <= 19:
+        raise ValueError(f"{name}: must be a nice value in -20..19 (or 'ray' for Ray's own), got {value!r}")
+    return str(int(text))
+
+
+def serve_process_env(args: dict[str, Any]) -> dict[str, str]:
+    """Environment of the gateway's and the replicas' Ray worker processes (see ``build_app``)."""
+    env: dict[str, str] = {}
+    niceness = args.get("worker_niceness", os.environ.get("DMTD_WORKER_NICENESS", 0))
+    if niceness is not None and niceness not in ("", "ray"):
+        env["RAY_worker_niceness"] = _niceness("worker_niceness", niceness)
+    if not args.get("serve_user_thread", os.environ.get("DMTD_SERVE_USER_THREAD", "") not in ("", "0")):
+        env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "0"
+    return env
+
+
+def gateway_process_env(args: dict[str, Any]) -> dict[str, str]:
+    """The gateway's: Serve's router on the gateway's own event loop (one thread hop less per streamed
+    block; ``router_thread: true`` keeps Serve's default, a router loop in a thread of its own)."""
+    env = serve_process_env(args)
+    nice = args.get("gateway_niceness", os.environ.get("DMTD_GATEWAY_NICENESS"))
+    if nice not in (None, ""):
+        env["RAY_worker_niceness"] = _niceness("gateway_niceness", nice)
+    if not args.get("router_thread", os.environ.get("DMTD_SERVE_ROUTER_THREAD", "") not in ("", "0")):
+        env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] = "0"
+    return env
+
+
+def replica_process_env(args: dict[str, Any]) -> dict[str, str]:
+    """A replica's: the OpenMP wait policy and spin count of its engine's thread pool."""
+    env = serve_process_env(args)
+    policy = str(args.get("omp_wait_policy", os.environ.get("DMTD_OMP_WAIT_POLICY", "")))
+    if policy.upper() not in ("", "PASSIVE", "ACTIVE"):
+        raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {policy!r}")
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy.upper()
+    spin = args.get("omp_spin_count", os.environ.get("DMTD_OMP_SPIN_COUNT", DEFAULT_OMP_SPIN_COUNT))
+    if spin is not None and str(spin) not in ("", "openmp") and not policy:
+        if not str(spin).isdigit():
+            raise ValueError(f"omp_spin_count: must be a whole number of spins, 'openmp' or empty, got {spin!r}")
+        env["GOMP_SPINCOUNT"] = str(int(spin))
+    return env
+
+
 def build_app(args: dict[str, Any]) -> Any:
     """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
     ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``; telemetry:
@@ -301,11 +363,20 @@ def build_app(args: dict[str, Any]) -> Any:
 
     ``omp_wait_policy`` (``PASSIVE`` / ``ACTIVE``; default: env ``DMTD_OMP_WAIT_POLICY``, else unset = OpenMP's
     own) is set in each replica's process. PASSIVE saves a CPU replica that shares its cores with other busy
-    processes, and costs up to 2× on idle cores (docs/benchmarks.md, "OpenMP wait policy")."""
+    processes, and costs up to 2× on idle cores (docs/benchmarks.md, "OpenMP wait policy").
+
+    ``omp_spin_count`` (``GOMP_SPINCOUNT``: how many spins, ~10 ns each, an idle OpenMP thread of a replica
+    waits before it sleeps; default: env ``DMTD_OMP_SPIN_COUNT``, else the runtime's own, ~300000) is there to
+    be measured: 5000 left the cores to the event loop and Ray between steps but made the steps slower
+    (docs/benchmarks.md, "The stack against the engine"). Ignored when ``omp_wait_policy`` is set.
+
+    The gateway's and the replicas' processes (docs/benchmarks.md, "The stack against the engine"):
+    ``worker_niceness`` (default 0; ``None`` keeps Ray's 15, at which a replica yields its cores to anything
+    else on the node, a load generator included), ``serve_user_thread`` (default False: our code runs on
+    the event loop Serve streams from, saving a thread hop per streamed item; True is Serve's default) and
+    ``router_thread`` (default False: the gateway's handles route on its own loop; True is Serve's default)."""
     variants = args.get("variants") or [{"name": "default", "variant": "none"}]
-    omp_wait_policy = str(args.get("omp_wait_policy", os.environ.get("DMTD_OMP_WAIT_POLICY", "")))
-    if omp_wait_policy.upper() not in ("", "PASSIVE", "ACTIVE"):
-        raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {omp_wait_policy!r}")
+    replica_env, gateway_env = replica_process_env(args), gateway_process_env(args)
     handles, infos, deployments = {}, [], {}
     limits = Limits(**(args.get("limits") or {}))  # refused here, at build time, when a limit is malformed
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
@@ -325,8 +396,8 @@ def build_app(args: dict[str, Any]) -> Any:
         max_ongoing = int(args.get("max_num_seqs", 16)) + int(args.get("max_queued", 64)) + 8
         replicas = int(v.get("replicas", args.get("replicas", 1)))
         replica_actor: dict[str, Any] = {"num_cpus": float(args.get("replica_num_cpus", 1))}
-        if omp_wait_policy:
-            replica_actor["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": omp_wait_policy}}
+        if replica_env:
+            replica_actor["runtime_env"] = {"env_vars": dict(replica_env)}
         dep: Any = serve.deployment(DMTDReplica, name=name, num_replicas=replicas,
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options=replica_actor)
@@ -336,6 +407,8 @@ def build_app(args: dict[str, Any]) -> Any:
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})
     actor: dict[str, Any] = {"num_cpus": 0}
+    if gateway_env:
+        actor["runtime_env"] = {"env_vars": dict(gateway_env)}
     if args.get("gateway_resources"):  # on Kubernetes: pinned to the head pod, which the gateway Service targets
         actor["resources"] = dict(args["gateway_resources"])
     gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,

@@ -12,12 +12,14 @@ import json
 import random
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from dmtd.serve.bench_stages import collect_stages, cpu_per_token, cpu_snapshot
 from dmtd_contract.stats import percentile
 
 POLICIES = {"tau1": (1, 1), "tau3": (3, 3), "adaptive": (0, 0)}
@@ -42,26 +44,35 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--grpc-port", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="closed-loop runs per row (stack and engine in turn); the row is the best one of each")
+    p.add_argument("--compare-engine", action="store_true",
+                   help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
+                        "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency and engine TTFT")
 
 
-def one_request(target: str, i: int, policy: str, max_new: int) -> dict[str, Any]:
+def one_request(target: Any, i: int, policy: str, max_new: int, request_id: str = "") -> dict[str, Any]:
+    """One streamed chat request; ``target`` is a gateway address or an open ``DMTDClient`` (its channel is
+    reused, as a real client's is: no connection set-up in the request's TTFT)."""
     from dmtd.client import DMTDClient
 
+    if isinstance(target, str):
+        with DMTDClient(target) as c:
+            return one_request(c, i, policy, max_new, request_id)
     lo, hi = POLICIES[policy]
     t0 = time.perf_counter()
     itl: list[float] = []
     first = last = None
     tokens = 0
-    with DMTDClient(target) as c:
-        for b in c.generate(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                            max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi):
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            elif b.k:
-                itl.extend([(now - (last or now)) * 1e3 / b.k] * b.k)
-            last = now
-            tokens += b.k
+    for b in target.generate(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                             max_new_tokens=max_new, ignore_eos=True, tau_min=lo, tau_max=hi, request_id=request_id):
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        elif b.k:
+            itl.extend([(now - (last or now)) * 1e3 / b.k] * b.k)
+        last = now
+        tokens += b.k
     return {"ttft_ms": ((first or t0) - t0) * 1e3, "e2e_ms": ((last or t0) - t0) * 1e3, "tokens": tokens,
             "itl_ms": itl}
 
@@ -79,11 +90,31 @@ def summarize(results: list[dict[str, Any]], wall_s: float, ttft_slo: float, itl
             "slo_attainment": len(ok) / len(results) if results else 0.0}
 
 
-def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int) -> tuple[list, float]:
-    t0 = time.perf_counter()
+def engine_columns(row: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
+    """What a stack row gains from the same workload on the in-process engine (``--compare-engine``)."""
+    return {"engine_tokens_per_s": e["tokens_per_s"], "stack_efficiency": row["tokens_per_s"] / e["tokens_per_s"],
+            "engine_ttft_p50_ms": e["ttft_p50_ms"], "engine_ttft_p95_ms": e["ttft_p95_ms"],
+            "engine_itl_p50_ms": e["itl_p50_ms"], "engine_itl_p95_ms": e["itl_p95_ms"], "engine": e}
+
+
+def closed_loop(target: str, policy: str, n: int, per_worker: int, max_new: int,
+                tag: str = "") -> tuple[list, float]:
+    """N workers × ``per_worker`` back-to-back requests; with ``tag``, request ids are ``{tag}-{i}``."""
+    from dmtd.client import DMTDClient
+
+    def worker(w: int) -> list[dict[str, Any]]:
+        with DMTDClient(target) as c:  # one channel per worker, connected before the clock starts
+            c.list_variants()
+            start.wait()
+            return [one_request(c, w * 100 + j, policy, max_new, f"{tag}-{w * 100 + j}" if tag else "")
+                    for j in range(per_worker)]
+
+    start = threading.Barrier(n + 1, timeout=120)
+
     with ThreadPoolExecutor(n) as pool:
-        futs = [pool.submit(lambda w: [one_request(target, w * 100 + j, policy, max_new) for j in range(per_worker)], w)
-                for w in range(n)]
+        futs = [pool.submit(worker, w) for w in range(n)]
+        start.wait()
+        t0 = time.perf_counter()
         results = [r for f in futs for r in f.result()]
     return results, time.perf_counter() - t0
 
@@ -127,19 +158,52 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
     else:
         target = args.server
     rows = []
+    engine: Any = None
+    if args.compare_engine:
+        from dmtd.serve.engine_compare import build_local_engine, engine_closed_loop
+
+        engine, engine_cfg = build_local_engine(args.variant or default_variant, args.model, args.decoding_layers,
+                                                max(concurrency), args.itl_slo_ms)
+        engine_closed_loop(engine, engine_cfg, POLICIES["tau1"], 1, 1, 8, PROMPTS)  # warm-up
     try:
         one_request(target, 0, "tau1", 8)  # warm-up
         jobs = [(p, n) for n in concurrency for p in policies]
         if args.rate > 0:
             jobs += [(p, -1) for p in policies]
         for policy, n in tqdm(jobs, desc="bench serve", unit="run"):
-            if n > 0:
-                res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens)
-                mode = {"mode": "closed", "concurrency": n}
-            else:
-                res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
-                mode = {"mode": "open", "rate": args.rate}
-            rows.append({"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)})
+            tries: list[dict[str, Any]] = []
+            engine_tries: list[dict[str, Any]] = []
+            for _ in range(max(1, args.repeats) if n > 0 else 1):  # stack and engine in turn, R times each
+                tag = f"bench-{policy}-n{n}-{uuid.uuid4().hex[:8]}"
+                if n > 0:
+                    cpu0 = cpu_snapshot() if started else None
+                    res, wall = closed_loop(target, policy, n, args.requests_per_worker, args.max_new_tokens, tag)
+                    cpu1 = cpu_snapshot() if started else None
+                    mode = {"mode": "closed", "concurrency": n}
+                else:
+                    res, wall = open_loop(target, policy, args.rate, args.open_requests, args.max_new_tokens)
+                    mode = {"mode": "open", "rate": args.rate}
+                t = {"policy": policy, **mode, **summarize(res, wall, args.ttft_slo_ms, args.itl_slo_ms)}
+                if started and n > 0:
+                    t["stages"] = collect_stages("dmtd", tag, len(res))
+                    if cpu0 and cpu1:
+                        t["cpu_ms_per_token"] = cpu_per_token(cpu0, cpu1, t["tokens"])
+                tries.append(t)
+                if engine is not None and n > 0:
+                    c0 = cpu_snapshot()["client"]
+                    eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n,
+                                                     args.requests_per_worker, args.max_new_tokens, PROMPTS)
+                    e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
+                    e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
+                    engine_tries.append(e)
+            row = max(tries, key=lambda r: r["tokens_per_s"])  # best of the repeats, as bench engine reports
+            if len(tries) > 1:
+                row["repeats_tokens_per_s"] = [r["tokens_per_s"] for r in tries]
+            if engine_tries:
+                row.update(engine_columns(row, max(engine_tries, key=lambda r: r["tokens_per_s"])))
+                if len(engine_tries) > 1:
+                    row["repeats_engine_tokens_per_s"] = [r["tokens_per_s"] for r in engine_tries]
+            rows.append(row)
     finally:
         if started:
             stop_stack()
@@ -149,19 +213,54 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         if base:
             r["speedup_vs_tau1"] = r["tokens_per_s"] / base["tokens_per_s"]
     result = {"target": target, "variant": args.variant or default_variant, "max_new_tokens": args.max_new_tokens,
-              "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms, "rows": rows}
+              "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
+              "requests_per_worker": args.requests_per_worker, "rows": rows}
     print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
     for r in rows:
         print(f"{r['mode']:>6} {r.get('concurrency', r.get('rate')):>6} {r['policy']:>9} {r['tokens_per_s']:>7.1f} "
               f"{r.get('speedup_vs_tau1', 0):>5.2f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
               f"{r['itl_p95_ms']:>8.1f} {r['e2e_p95_ms']:>8.0f} {r['slo_attainment']:>5.0%}")
+    if any("engine_tokens_per_s" in r for r in rows):
+        print(f"\n{'N':>4} {'policy':>9} {'stack tok/s':>11} {'engine tok/s':>12} {'efficiency':>10} "
+              f"{'TTFT p50 stack':>14} {'engine':>7} {'ITL p50 stack':>13} {'engine':>7}")
+        for r in rows:
+            if "engine_tokens_per_s" in r:
+                print(f"{r['concurrency']:>4} {r['policy']:>9} {r['tokens_per_s']:>11.1f} "
+                      f"{r['engine_tokens_per_s']:>12.1f} {r['stack_efficiency']:>10.2f} "
+                      f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
+                      f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
+    cpu_rows = [r for r in rows if "cpu_ms_per_token" in r]
+    if cpu_rows:
+        print("\nCPU ms per token (stack processes; engine: the in-process engine's run):\n"
+              f"{'N':>4} {'policy':>9} {'replica':>8} {'gateway':>8} {'client':>7} {'ray':>6} {'total':>7} "
+              f"{'engine':>7}")
+        for r in cpu_rows:
+            c = r["cpu_ms_per_token"]
+            eng = r.get("engine", {}).get("cpu_ms_per_token", 0.0)
+            print(f"{r['concurrency']:>4} {r['policy']:>9} {c['replica']:>8.2f} {c['gateway']:>8.2f} "
+                  f"{c['client']:>7.2f} {c['ray']:>6.2f} {sum(c.values()):>7.2f} {eng:>7.2f}")
+    staged = [r for r in rows if r.get("stages", {}).get("requests")]
+    if staged:
+        from dmtd.serve.bench_stages import STAGES
+
+        print("\nms per token by stage (from the spans):\n" + f"{'N':>4} {'policy':>9} "
+              + " ".join(f"{s:>15}" for s in STAGES))
+        for r in staged:
+            print(f"{r['concurrency']:>4} {r['policy']:>9} "
+                  + " ".join(f"{r['stages']['ms_per_token'][s]:>15.2f}" for s in STAGES))
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
         plot(result, path.with_suffix(".png"))
-        print(f"wrote {path} and {path.with_suffix('.png')}")
+        written = [path, path.with_suffix(".png")]
+        if staged:
+            from dmtd.serve.bench_stages import plot_stages
+
+            written.append(path.with_name(path.stem + "_stages.png"))
+            plot_stages(staged, written[-1], f"dmtd bench serve — variant {result['variant']}: stages per token")
+        print("wrote " + ", ".join(map(str, written)))
     return result
 
 

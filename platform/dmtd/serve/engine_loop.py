@@ -1,8 +1,14 @@
 """The replica's engine loop: admissions, steps, block dispatch, the controller's τ and gate.
 
-Only the loop task touches the engine, between steps; each step (and each prompt's tokenisation) runs in a
-one-thread executor so the event loop keeps serving while the model computes. One request's failure ends
-that request only; a supervisor restarts the loop if it ever ends.
+Only the loop task touches the engine, between steps; each step (with the admissions before it) and each
+prompt's tokenisation runs in a one-thread executor so the event loop keeps serving while the model
+computes. One request's failure ends that request only; a supervisor restarts the loop if it ever ends.
+
+Every torch call of the replica runs on that one executor thread, the engine's construction included
+(``DMTDReplica`` builds it there). OpenMP gives each thread that opens a parallel region a pool of its own;
+with a second pool the process manages more OpenMP threads than there are cores, and libgomp then stops
+spinning between parallel regions: every region pays a futex wake-up, which took a decode step on two cores
+from 15 ms to 30 ms (docs/benchmarks.md, "The stack against the engine").
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +30,11 @@ from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 from dmtd_contract.records import Block, ReplicaRequest, Usage
 
 log = logging.getLogger("dmtd.replica")
+
+
+def engine_executor() -> ThreadPoolExecutor:
+    """The one thread an engine runs on (its construction, admissions, steps and tokenisation)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
 
 
 @dataclass
@@ -42,13 +54,15 @@ class _Live:
     t_last: float = 0.0
     cycles_cut: int = 0
     prompt_ids: list[int] = field(default_factory=list)
+    step_ms: float = 0.0  # engine steps this request ran in since its last block
+    ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
 
 
 class EngineLoop:
     """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
 
     def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
-                 telemetry: ReplicaTelemetry | None = None) -> None:
+                 telemetry: ReplicaTelemetry | None = None, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine, self.controller = engine, controller
         self.max_queued, self.replica_name = max_queued, replica_name
         self.telemetry = telemetry
@@ -56,7 +70,7 @@ class EngineLoop:
         self._adds: list[str] = []
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
+        self._executor = executor or engine_executor()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self.restarts = 0
@@ -105,11 +119,14 @@ class EngineLoop:
             raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
         live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
+        live.t_admit_wall = time.time()  # until admitted: when the request reached this replica
         self.live[req.request_id] = live
         tel = self.telemetry
         if tel is not None:
-            tel.on_arrival(req.request_id, req.traceparent, {"dmtd.tau_bounds": f"{lo}..{hi}",
-                                                             "dmtd.max_new_tokens": req.max_new_tokens})
+            attrs: dict[str, Any] = {"dmtd.tau_bounds": f"{lo}..{hi}", "dmtd.max_new_tokens": req.max_new_tokens}
+            if req.sent_s:
+                attrs["dmtd.stage.ray_hop_ms"] = max(0.0, (live.t_admit_wall - req.sent_s) * 1e3)
+            tel.on_arrival(req.request_id, req.traceparent, attrs)
         self._ensure_task()
         try:
             live.prompt_ids = await self._encode(req)
@@ -119,6 +136,9 @@ class EngineLoop:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                now = time.perf_counter()
+                item.dispatch_ms = (now - live.ready.popleft()) * 1e3 if live.ready else 0.0
+                item.sent_s = time.time()
                 yield item
                 if item.finish_reason:
                     return
@@ -174,10 +194,11 @@ class EngineLoop:
         if self.telemetry is not None:
             self.telemetry.on_finish(rid, reason, error=str(error))
 
-    def _admit(self, rid: str) -> None:
+    def _params(self, rid: str) -> tuple[str, int, float, SamplingParams] | None:
+        """A queued request's sampling parameters (on the loop thread); a malformed one fails here."""
         live = self.live.get(rid)
         if live is None:
-            return
+            return None
         r = live.req
         d = self.controller.decision
         tau = max(live.tau_lo, min(live.tau_hi, d.tau))
@@ -187,22 +208,59 @@ class EngineLoop:
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
                                     stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf,
                                     exact=r.profile == "exact")
-            self.engine.add_request(live.prompt_ids, params, req_id=rid)
         except RequestError as e:
             self._fail(rid, RequestFailed(e.field, str(e)))
-            return
-        except (ValueError, TypeError, OverflowError) as e:  # a field of the wrong type or range got this far
+            return None
+        except (ValueError, TypeError, OverflowError) as e:
             self._fail(rid, RequestFailed("request", f"request: rejected by the engine ({type(e).__name__}: {e})"))
+            return None
+        return rid, tau, conf, params
+
+    def _engine_work(self, admissions: list[tuple[str, int, float, SamplingParams]]
+                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None, float]:
+        """On the engine's thread: add the admitted requests, then run one step if any request is unfinished.
+        Returns each admission's error (None: added) and wall time, the step's outputs (None: no step) and
+        the step's seconds. An exception of the step itself propagates."""
+        added: list[tuple[str, BaseException | None, float]] = []
+        for rid, _tau, _conf, params in admissions:
+            live = self.live.get(rid)
+            if live is None:  # cancelled since it was queued
+                continue
+            try:
+                self.engine.add_request(live.prompt_ids, params, req_id=rid)
+                added.append((rid, None, time.time()))
+            except Exception as e:
+                added.append((rid, e, time.time()))
+        if not self.engine.has_unfinished():
+            return added, None, 0.0
+        t = time.perf_counter()
+        outputs = self.engine.step()
+        return added, outputs, time.perf_counter() - t
+
+    def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
+                  t_perf: float) -> None:
+        """Bookkeeping of one admission, back on the loop thread."""
+        live = self.live.get(rid)
+        if error is not None:
+            if isinstance(error, RequestError):
+                self._fail(rid, RequestFailed(error.field, str(error)))
+            elif isinstance(error, (ValueError, TypeError, OverflowError)):  # a field of the wrong type or range
+                self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
+                                                         f"({type(error).__name__}: {error})"))
+            else:
+                self._fail(rid, self._internal(rid, "admission failed", error))
             return
-        except Exception as e:
-            self._fail(rid, self._internal(rid, "admission failed", e))
+        if live is None:  # cancelled while it was being added: the next iteration aborts it
+            self._aborts.add(rid)
             return
+        r = live.req
         live.prompt_tokens = self.engine.seqs[rid].prompt_len
-        live.t_admit_wall = time.time()
-        live.t_admit = live.t_last = time.perf_counter()
+        reached, live.t_admit_wall = live.t_admit_wall, t_wall
+        live.t_admit = live.t_last = t_perf
         if self.telemetry is not None:
             self.telemetry.on_admit(rid, live.prompt_tokens, tau, conf,
-                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0)
+                                    max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0,
+                                    max(0.0, (live.t_admit_wall - reached) * 1e3))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -212,21 +270,30 @@ class EngineLoop:
                 self.engine.release(rid)
             self._aborts.clear()
             adds, self._adds = self._adds, []
-            for rid in adds:
-                self._admit(rid)
-            if not self.engine.has_unfinished():
+            admissions = [a for a in map(self._params, adds) if a is not None]
+            if not admissions and not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             t_step = time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                added, outputs, _ = await loop.run_in_executor(self._executor, self._engine_work, admissions)
             except Exception as e:  # an engine bug must not hang every stream
                 for rid in list(self.live):
                     self._fail(rid, self._internal(rid, "engine step failed", e))
                 continue
-            self.num_steps += 1
             now = time.perf_counter()
+            terms = {a[0]: a for a in admissions}
+            for rid, error, t_wall in added:
+                _, tau, conf, _ = terms[rid]
+                self._admitted(rid, tau, conf, error, t_wall, t_step)
+            if outputs is None:
+                continue
+            self.num_steps += 1
+            step_ms = (now - t_step) * 1e3
+            for rid in {o.req_id for o in outputs}:
+                if (lv := self.live.get(rid)) is not None:
+                    lv.step_ms += step_ms
             if self.telemetry is not None:
                 self._observe_step(outputs, now - t_step)
             for o in outputs:
@@ -265,9 +332,9 @@ class EngineLoop:
             confidence=(min(confs), sum(confs) / len(confs), max(confs)),
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
-            num_drafted=o.num_drafted, num_accepted=o.num_accepted,
+            num_drafted=o.num_drafted, num_accepted=o.num_accepted, step_ms=live.step_ms,
         )
-        live.text, live.t_last = [], now
+        live.text, live.t_last, live.step_ms = [], now, 0.0
         live.block_index += 1
         seq = self.engine.seqs.get(o.req_id)
         if self.telemetry is not None:
@@ -290,6 +357,7 @@ class EngineLoop:
             self.live.pop(o.req_id, None)
             if self.telemetry is not None:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
+        live.ready.append(now)
         live.queue.put_nowait(block)
 
     def _apply_controller(self) -> None:

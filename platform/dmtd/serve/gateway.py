@@ -95,11 +95,16 @@ class GatewayCore:
         code, error = "CANCELLED", None
         gen: Any = None
         try:
+            req.sent_s = time.time()
+            if req.arrival_s:
+                rt.stage("gateway_receive", max(0.0, (req.sent_s - req.arrival_s) * 1e3))
             gen = route.handle.options(stream=True).generate.remote(req)
             async for block in rechunk(self._cycles(gen, rt), min_tokens, flush_ms):
                 finished = bool(block.finish_reason)
                 rt.delivered(len(block.token_ids))
+                t = time.perf_counter()
                 yield block
+                rt.stage("client_write", (time.perf_counter() - t) * 1e3)
             self.completed += 1
             code = "OK"
         except Exception as raw:
@@ -116,6 +121,10 @@ class GatewayCore:
     async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[Block]:
         """The replica's blocks as they arrive (one per DMTD cycle), counted before any re-chunking."""
         async for block in gen:
+            if block.sent_s:
+                rt.stage("ray_hop", max(0.0, (time.time() - block.sent_s) * 1e3))
+            rt.stage("engine_step", block.step_ms)
+            rt.stage("dispatch", block.dispatch_ms)
             rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
             yield block
 

@@ -122,9 +122,12 @@ def serve_not_up() -> str:
 def prepare_environment(ready_timeout_s: float, env: MutableMapping[str, str] | None = None) -> None:
     """Before ``ray.init`` (Ray's processes inherit it): Serve's proxy readiness and health waits sized for a
     loaded node (its default 5 s killed the proxy while a compiler kept both cores busy), Serve's per-replica
-    gRPC server on loopback (``dmtd.serve.binding``). Values already set win."""
+    gRPC server on loopback (``dmtd.serve.binding``), and Serve's control loop every 0.5 s instead of 0.1 s
+    (at 0.1 s the controller alone took 3% of a core, on the cores the replica decodes on). Values already
+    set win."""
     target: MutableMapping[str, str] = os.environ if env is None else env
     target.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    target.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     for var in READY_ENV:
         target.setdefault(var, str(ready_timeout_s))
     target.setdefault(HOST_ENV, "127.0.0.1")

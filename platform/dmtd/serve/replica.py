@@ -18,7 +18,7 @@ from typing import Any
 from dmtd.engine.llm import LLMEngine
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.engine_loop import EngineLoop
+from dmtd.serve.engine_loop import EngineLoop, engine_executor
 from dmtd.serve.errors import Overloaded, RequestFailed
 from dmtd.serve.requests import InvalidRequest, Limits, check_types, validate
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
@@ -47,9 +47,10 @@ class DMTDReplica:
                  telemetry: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> None:
         bind_serve_internal_grpc()
         self.limits = Limits(**(limits or {}))  # the gateway's: a request it let through passes here too
-        engine, cfg = engine_factory()
+        executor = engine_executor()  # the engine is built, and only ever run, on this one thread (engine_loop)
+        engine, cfg = executor.submit(engine_factory).result()
         self.name = name or f"replica-{os.getpid()}"
-        self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name)
+        self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name, executor=executor)
         if telemetry is not None:  # built by the app: JSON logs, a Prometheus endpoint, the configured exporter
             configure_json_logging()
             settings = telemetry_settings(telemetry)

@@ -77,6 +77,7 @@ class RequestTelemetry:
         self.itl_ms: list[float] = []
         self.done = False
         self.replica = ""
+        self.stages: dict[str, float] = {}  # ms per stage, summed over the request (span attributes at finish)
         g.inflight += 1
         self.span.add_event("admission", {"variant": variant, "inflight": g.inflight})
 
@@ -87,6 +88,10 @@ class RequestTelemetry:
     @property
     def trace_id(self) -> str:
         return trace_ids(self.span)[0]
+
+    def stage(self, name: str, ms: float) -> None:
+        """Add ``ms`` to this request's time in stage ``name`` (``dmtd.stage.<name>_ms`` on the span)."""
+        self.stages[name] = self.stages.get(name, 0.0) + ms
 
     def cycle(self, k: int, tau: int, replica: str = "", num_drafted: int = 0, num_accepted: int = 0) -> None:
         """A replica block (one DMTD cycle) arrived: the τ and k histograms of the dashboard, and the drafts of
@@ -130,6 +135,8 @@ class RequestTelemetry:
         self.span.add_event("finish", {"code": code, "tokens": self.tokens, "e2e_ms": e2e_s * 1e3,
                                        "slo_ok": slo_ok})
         self.span.set_attribute("dmtd.tokens", self.tokens)
+        for name, ms in self.stages.items():
+            self.span.set_attribute(f"dmtd.stage.{name}_ms", ms)
         if not ok:
             self.span.set_status(trace.StatusCode.ERROR, error or code)
         trace_id, span_id = trace_ids(self.span)

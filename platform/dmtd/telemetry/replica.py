@@ -101,11 +101,15 @@ class ReplicaTelemetry:
         self.requests[request_id] = _Req(span, request_id)
 
     def on_admit(self, request_id: str, prompt_tokens: int, tau: int, min_confidence: float,
-                 queue_ms: float) -> None:
+                 queue_ms: float, replica_queue_ms: float | None = None) -> None:
+        """Admitted to the engine: ``queue_ms`` since the gateway received it, ``replica_queue_ms`` since it
+        reached this replica (tokenising the prompt included)."""
         r = self.requests.get(request_id)
         if r is not None:
             r.span.add_event("admitted", {"prompt_tokens": prompt_tokens, "tau": tau,
                                           "min_confidence": min_confidence, "queue_ms": queue_ms})
+            if replica_queue_ms is not None:
+                r.span.set_attribute("dmtd.stage.replica_queue_ms", replica_queue_ms)
 
     def on_step(self, kind: str, wall_s: float, rows: list[tuple[str, int]]) -> None:
         """One engine step over ``rows`` (request id, τ): its accelerator time is shared evenly among them,

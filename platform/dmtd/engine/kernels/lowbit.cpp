@@ -11,8 +11,10 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -157,14 +159,35 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   const float* sp = mode == BF16 ? nullptr : s.data_ptr<float>();
   const float* xp = x32.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Parallel over output rows.
-  // Chunks of 16 rows stay in cache while every block of MB activation rows passes over them.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t c = n0; c < n1; c += 16) {
-      const int64_t c1 = std::min(c + 16, n1);
-      for (int64_t m0 = 0; m0 < M; m0 += MB) rows(std::min(MB, M - m0), mode, wp, sp, xp, yp, K, N, m0, c, c1);
+  // Parallel over output rows, in chunks of 16 rows that stay in cache while every block of MB activation
+  // rows passes over them. Each thread owns a contiguous range of chunks and walks it in order; a thread that
+  // is done takes the chunks still left in the others' ranges. On a CPU replica the serving path (event loop,
+  // Ray, the gateway) shares the cores, and a thread it preempts would otherwise hold the whole product back
+  // at the barrier while the other one waits. Which thread computes a row does not change its value.
+  const int64_t chunks = (N + 15) / 16;
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks / 2));
+  auto chunk = [&](int64_t c) {
+    const int64_t n0 = c * 16, n1 = std::min(n0 + 16, N);
+    for (int64_t m0 = 0; m0 < M; m0 += MB) rows(std::min(MB, M - m0), mode, wp, sp, xp, yp, K, N, m0, n0, n1);
+  };
+  if (T <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < chunks; ++c) chunk(c);
+  } else {
+    struct alignas(64) Range { std::atomic<int64_t> next; int64_t end; };
+    std::vector<Range> ranges(T);
+    for (int64_t t = 0; t < T; ++t) {
+      ranges[t].next.store(chunks * t / T, std::memory_order_relaxed);
+      ranges[t].end = chunks * (t + 1) / T;
     }
-  });
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t v = 0; v < T; ++v) {  // own range first, then the others'
+          Range& r = ranges[(t + v) % T];
+          for (int64_t c; (c = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) chunk(c);
+        }
+      }
+    });
+  }
   y = y.view(out_shape);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

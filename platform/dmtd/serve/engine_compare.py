@@ -1,0 +1,114 @@
+"""``dmtd bench serve --compare-engine``: the serve bench's closed-loop workload run on an in-process engine.
+
+Same prompts, same max tokens, same variant (built as a replica builds it: ``app.EngineFactory``), same τ
+policy: fixed bounds pin τ; ``adaptive`` feeds a :class:`TauController` the observations the replica's
+engine loop feeds it (every block's interval, the load after every step) and applies its τ and gate. N
+workers each send their requests back to back: a worker's next request is added as soon as its previous
+one finishes. No Ray, gRPC, asyncio or threads: this is what the serving stack is measured against.
+
+TTFT and ITL are measured as the bench's client measures them, on blocks: TTFT is the time to the first
+block (a DMTD cycle's tokens arrive together), ITL a block's interval spread over its k tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.sequence import SamplingParams
+from dmtd.serve.controller import ControllerConfig, TauController
+
+
+@dataclass
+class _Req:
+    worker: int
+    index: int
+    bounds: tuple[int, int]
+    t0: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    itl_ms: list[float] = field(default_factory=list)
+
+
+def _bounds(cfg: ControllerConfig, lo: int, hi: int) -> tuple[int, int]:
+    """A request's τ range, as ``EngineLoop._bounds`` computes it for the adaptive profile."""
+    a, b = cfg.tau_min, cfg.tau_max
+    if lo:
+        a = min(max(a, lo), b)
+    if hi:
+        b = max(min(b, hi), a)
+    return a, b
+
+
+def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tuple[int, int], n: int,
+                       per_worker: int, max_new: int, prompts: list[str]) -> tuple[list[dict[str, Any]], float]:
+    """N workers × ``per_worker`` chat requests of ``max_new`` tokens (``ignore_eos``), prompts as the serve
+    bench picks them (worker w's j-th request asks ``prompts[(100 w + j) % len]``). Returns per-request
+    records shaped like ``bench.one_request``'s and the run's wall time."""
+    ctl = TauController(cfg)
+    lo, hi = _bounds(cfg, *tau_bounds)
+    live: dict[str, _Req] = {}
+    results: list[dict[str, Any]] = []
+
+    def submit(w: int, j: int) -> None:
+        d = ctl.decision
+        tau = max(lo, min(hi, d.tau))
+        i = w * 100 + j
+        rid = f"w{w}-{j}"
+        live[rid] = _Req(w, j, (lo, hi), time.perf_counter())
+        engine.add_request([{"role": "user", "content": prompts[i % len(prompts)]}],
+                           SamplingParams(max_new_tokens=max_new, ignore_eos=True, cycle_len=tau,
+                                          min_confidence=d.min_confidence), req_id=rid)
+
+    t_start = time.perf_counter()
+    for w in range(n):
+        submit(w, 0)
+    while live:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            r = live.get(o.req_id)
+            if r is None or (not o.block and not o.finished):
+                continue
+            k = len(o.block or [])
+            if r.first is None:
+                r.first = now
+            elif k:
+                interval = (now - (r.last or now)) * 1e3
+                r.itl_ms.extend([interval / k] * k)
+                ctl.observe_block(k, o.cycle_len, interval)
+            r.last = now
+            r.tokens += k
+            if o.finished:
+                engine.release(o.req_id)
+                del live[o.req_id]
+                results.append({"ttft_ms": ((r.first or r.t0) - r.t0) * 1e3, "e2e_ms": ((r.last or r.t0) - r.t0) * 1e3,
+                                "tokens": r.tokens, "itl_ms": r.itl_ms})
+                if r.index + 1 < per_worker:
+                    submit(r.worker, r.index + 1)
+        ctl.observe_load(engine.num_waiting, engine.num_running)
+        d = ctl.decision
+        for rid in live:
+            seq = engine.seqs.get(rid)
+            if seq is None:
+                continue
+            tau = max(lo, min(hi, d.tau))
+            if seq.cycle_len != tau:
+                engine.set_cycle_len(rid, tau)
+            seq.params.min_confidence = d.min_confidence
+    return results, time.perf_counter() - t_start
+
+
+def build_local_engine(variant: str, model: str | None, decoding_layers: int | None, max_num_seqs: int,
+                       itl_slo_ms: float) -> tuple[LLMEngine, ControllerConfig]:
+    """The engine and controller settings a replica of this variant builds (``app.EngineFactory``), on every
+    core of this machine."""
+    import os
+
+    from dmtd.serve.app import EngineFactory
+
+    return EngineFactory(variant=variant, model=model, decoding_layers=decoding_layers, max_num_seqs=max_num_seqs,
+                         itl_slo_ms=itl_slo_ms, torch_threads=os.cpu_count() or 1)()
