@@ -6,8 +6,8 @@ import pytest
 
 from dmtd.serve.app import gateway_process_env, replica_process_env
 
-KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_GATEWAY_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD", "DMTD_OMP_WAIT_POLICY",
-         "DMTD_OMP_SPIN_COUNT")
+KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_GATEWAY_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD",
+         "DMTD_OMP_WAIT_POLICY", "DMTD_OMP_SPIN_COUNT")
 
 
 @pytest.fixture(autouse=True)
