@@ -301,9 +301,6 @@ class Gateway:
 GatewayIngress = serve.ingress(http_app)(Gateway)
 
 
-DEFAULT_OMP_SPIN_COUNT: int | None = None  # OpenMP's own: a shorter spin measured slower (docs/benchmarks.md)
-
-
 def _niceness(name: str, value: Any) -> str:
     text = str(value).strip()
     if not text.lstrip("-").isdigit() or not -20 <= int(text) <= 19:
@@ -342,7 +339,7 @@ def replica_process_env(args: dict[str, Any]) -> dict[str, str]:
         raise ValueError(f"omp_wait_policy: must be PASSIVE, ACTIVE or empty, got {policy!r}")
     if policy:
         env["OMP_WAIT_POLICY"] = policy.upper()
-    spin = args.get("omp_spin_count", os.environ.get("DMTD_OMP_SPIN_COUNT", DEFAULT_OMP_SPIN_COUNT))
+    spin = args.get("omp_spin_count", os.environ.get("DMTD_OMP_SPIN_COUNT"))  # unset: a short spin measured slower
     if spin is not None and str(spin) not in ("", "openmp") and not policy:
         if not str(spin).isdigit():
             raise ValueError(f"omp_spin_count: must be a whole number of spins, 'openmp' or empty, got {spin!r}")

@@ -208,19 +208,26 @@ class EngineLoop:
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
                                     stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf,
                                     exact=r.profile == "exact")
-        except RequestError as e:
-            self._fail(rid, RequestFailed(e.field, str(e)))
-            return None
-        except (ValueError, TypeError, OverflowError) as e:
-            self._fail(rid, RequestFailed("request", f"request: rejected by the engine ({type(e).__name__}: {e})"))
+        except Exception as e:
+            self._reject(rid, e)
             return None
         return rid, tau, conf, params
 
+    def _reject(self, rid: str, error: BaseException) -> None:
+        """End a request its admission refused: the input's fault (``RequestFailed``) or ours (internal)."""
+        if isinstance(error, RequestError):
+            self._fail(rid, RequestFailed(error.field, str(error)))
+        elif isinstance(error, (ValueError, TypeError, OverflowError)):  # a field of the wrong type or range
+            self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
+                                                     f"({type(error).__name__}: {error})"))
+        else:
+            self._fail(rid, self._internal(rid, "admission failed", error))
+
     def _engine_work(self, admissions: list[tuple[str, int, float, SamplingParams]]
-                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None, float]:
+                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None]:
         """On the engine's thread: add the admitted requests, then run one step if any request is unfinished.
-        Returns each admission's error (None: added) and wall time, the step's outputs (None: no step) and
-        the step's seconds. An exception of the step itself propagates."""
+        Returns each admission's error (None: added) and wall time, and the step's outputs (None: no step).
+        An exception of the step itself propagates."""
         added: list[tuple[str, BaseException | None, float]] = []
         for rid, _tau, _conf, params in admissions:
             live = self.live.get(rid)
@@ -231,24 +238,14 @@ class EngineLoop:
                 added.append((rid, None, time.time()))
             except Exception as e:
                 added.append((rid, e, time.time()))
-        if not self.engine.has_unfinished():
-            return added, None, 0.0
-        t = time.perf_counter()
-        outputs = self.engine.step()
-        return added, outputs, time.perf_counter() - t
+        return added, self.engine.step() if self.engine.has_unfinished() else None
 
     def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
                   t_perf: float) -> None:
         """Bookkeeping of one admission, back on the loop thread."""
         live = self.live.get(rid)
         if error is not None:
-            if isinstance(error, RequestError):
-                self._fail(rid, RequestFailed(error.field, str(error)))
-            elif isinstance(error, (ValueError, TypeError, OverflowError)):  # a field of the wrong type or range
-                self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
-                                                         f"({type(error).__name__}: {error})"))
-            else:
-                self._fail(rid, self._internal(rid, "admission failed", error))
+            self._reject(rid, error)
             return
         if live is None:  # cancelled while it was being added: the next iteration aborts it
             self._aborts.add(rid)
@@ -277,7 +274,7 @@ class EngineLoop:
                 continue
             t_step = time.perf_counter()
             try:
-                added, outputs, _ = await loop.run_in_executor(self._executor, self._engine_work, admissions)
+                added, outputs = await loop.run_in_executor(self._executor, self._engine_work, admissions)
             except Exception as e:  # an engine bug must not hang every stream
                 for rid in list(self.live):
                     self._fail(rid, self._internal(rid, "engine step failed", e))
