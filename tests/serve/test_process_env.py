@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dmtd.serve.app import gateway_process_env, replica_process_env
+from dmtd.serve.app import DEFAULT_STREAM_INTERVAL_MS, gateway_process_env, replica_process_env, stream_interval
 
 KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_GATEWAY_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD",
-         "DMTD_OMP_WAIT_POLICY", "DMTD_OMP_SPIN_COUNT")
+         "DMTD_OMP_WAIT_POLICY", "DMTD_OMP_SPIN_COUNT", "DMTD_STREAM_INTERVAL_MS")
 
 
 @pytest.fixture(autouse=True)
@@ -48,3 +48,13 @@ def test_serves_own_defaults_and_openmp_settings_on_request(monkeypatch):
 def test_bad_settings_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         replica_process_env(args) if field != "gateway_niceness" else gateway_process_env(args)
+
+
+def test_the_stream_interval_defaults_reads_the_environment_and_names_its_field(monkeypatch):
+    assert stream_interval({}) == DEFAULT_STREAM_INTERVAL_MS == stream_interval({"stream_interval_ms": None}) > 0
+    assert stream_interval({"stream_interval_ms": 0}) == 0.0 and stream_interval({"stream_interval_ms": "12.5"}) == 12.5
+    monkeypatch.setenv("DMTD_STREAM_INTERVAL_MS", "0")
+    assert stream_interval({}) == 0.0 and stream_interval({"stream_interval_ms": 25}) == 25.0
+    for bad in (-1, 1001, "soon", float("nan")):
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            stream_interval({"stream_interval_ms": bad})

@@ -19,11 +19,13 @@ from tests.conftest import tiny_engine, tiny_model
 DMTD = DMTDConfig(0, 4, 2, tau_max=4)
 
 
-def make_replica(max_num_seqs: int = 4, max_queued: int = 2, rest_tau: int = 3) -> DMTDReplica:
+def make_replica(max_num_seqs: int = 4, max_queued: int = 2, rest_tau: int = 3,
+                 stream_interval_ms: float = 0.0, max_model_len: int = 256) -> DMTDReplica:
     model = tiny_model(seed=21)
     cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=rest_tau, max_batch=max_num_seqs, hold_steps=10**9)
-    return DMTDReplica(lambda: (tiny_engine(model, DMTD, max_num_seqs=max_num_seqs), cfg), max_queued=max_queued,
-                       name="r0")
+    return DMTDReplica(lambda: (tiny_engine(model, DMTD, max_num_seqs=max_num_seqs, max_model_len=max_model_len), cfg),
+                       max_queued=max_queued,
+                       name="r0", stream_interval_ms=stream_interval_ms)
 
 
 def req(rid: str, n: int = 20, **kw) -> ReplicaRequest:
@@ -233,3 +235,47 @@ def test_the_engine_is_built_and_run_on_one_thread_only():
     engine_threads = set().union(*seen.values())
     assert len(engine_threads) == 1, seen
     assert loop_thread not in engine_threads and threading.main_thread().ident not in engine_threads
+
+
+def test_streamed_items_gather_the_blocks_of_an_interval_and_the_last_block_goes_at_once():
+    """What the gateway streams (``generate_batches``): the first block alone, then one list per interval;
+    the request's last block does not wait for the interval to end (here 1 s: the request takes ~0.05 s)."""
+    rep = make_replica(stream_interval_ms=1000)
+    one_by_one = asyncio.run(collect(rep, req("a", 40, ignore_eos=True)))
+
+    async def batches() -> list[list[Block]]:
+        return [b async for b in rep.generate_batches(req("b", 40, ignore_eos=True))]
+
+    t0 = time.perf_counter()
+    got = asyncio.run(batches())
+    assert time.perf_counter() - t0 < 0.95
+    flat = [b for batch in got for b in batch]
+    assert [b.token_ids for b in flat] == [b.token_ids for b in one_by_one]
+    assert [b.block_index for b in flat] == list(range(len(flat)))
+    assert len(got) == 2 and len(got[0]) == 1 and len(got[1]) == len(flat) - 1 > 1
+    assert flat[-1].finish_reason == "length" and all(not b.finish_reason for b in flat[:-1])
+    assert len({b.sent_s for b in got[1]}) == 1 and all(b.dispatch_ms >= 0 for b in flat)
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        make_replica(stream_interval_ms=1001)
+
+
+def test_cancelling_a_stream_that_waits_out_its_interval_frees_the_slot():
+    rep = make_replica(max_num_seqs=2, stream_interval_ms=1000, max_model_len=8192)
+
+    async def scenario() -> dict:
+        gen = rep.generate_batches(req("long", 4000, ignore_eos=True))
+        first = await gen.__anext__()
+        waiting = asyncio.create_task(gen.__anext__())  # holds for the interval
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await gen.aclose()
+        for _ in range(200):  # the loop frees the slot before its next step
+            if rep.loop.engine.scheduler.num_free_slots == 2:
+                break
+            await asyncio.sleep(0.005)
+        return {"first": first, **(await rep.stats())}
+
+    out = asyncio.run(scenario())
+    assert len(out["first"]) == 1 and out["active"] == 0 and out["free_slots"] == 2

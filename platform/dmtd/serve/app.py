@@ -347,6 +347,23 @@ def replica_process_env(args: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+DEFAULT_STREAM_INTERVAL_MS = 40.0
+
+
+def stream_interval(args: dict[str, Any]) -> float:
+    """How long a replica gathers a request's ready blocks into one streamed item (0: every block at once)."""
+    raw = args.get("stream_interval_ms", os.environ.get("DMTD_STREAM_INTERVAL_MS"))
+    if raw in (None, ""):
+        return DEFAULT_STREAM_INTERVAL_MS
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not 0.0 <= value <= 1000.0:
+        raise ValueError(f"stream_interval_ms: must be a number of milliseconds within 0..1000, got {raw!r}")
+    return value
+
+
 def build_app(args: dict[str, Any]) -> Any:
     """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
     ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``; telemetry:
@@ -376,6 +393,7 @@ def build_app(args: dict[str, Any]) -> Any:
     replica_env, gateway_env = replica_process_env(args), gateway_process_env(args)
     handles, infos, deployments = {}, [], {}
     limits = Limits(**(args.get("limits") or {}))  # refused here, at build time, when a limit is malformed
+    stream_interval_ms = stream_interval(args)
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
     telemetry.update(args.get("telemetry") or {})
     telemetry.setdefault("metrics_host", args.get("grpc_host", "127.0.0.1"))  # on Kubernetes: 0.0.0.0
@@ -399,7 +417,7 @@ def build_app(args: dict[str, Any]) -> Any:
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
                                ray_actor_options=replica_actor)
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
-                                      v["name"], telemetry, limits.model_dump())
+                                      v["name"], telemetry, limits.model_dump(), stream_interval_ms)
         deployments[v["name"]] = name
         infos.append({"name": v["name"], "base_model": str(v.get("model") or "smollm2"), "status": "active",
                       "traffic_weight": float(v.get("weight", 1.0))})

@@ -43,6 +43,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="the started stack's stream interval (default: the server's, 40 ms; 0: every block alone)")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--repeats", type=int, default=1,
                    help="closed-loop runs per row (stack and engine in turn); the row is the best one of each")
@@ -152,7 +154,8 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         isolate_network()
         ns = argparse.Namespace(host="127.0.0.1", grpc_port=args.grpc_port or 19000, http_port=18000, registry=None,
                                 model=args.model, decoding_layers=args.decoding_layers, replicas=1,
-                                max_num_seqs=max(concurrency), itl_slo_ms=args.itl_slo_ms)
+                                max_num_seqs=max(concurrency), itl_slo_ms=args.itl_slo_ms,
+                                stream_interval_ms=args.stream_interval_ms)
         info = start_stack(ns, args.variant or default_variant)
         target = info["grpc"]
     else:
@@ -164,7 +167,10 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
 
         engine, engine_cfg = build_local_engine(args.variant or default_variant, args.model, args.decoding_layers,
                                                 max(concurrency), args.itl_slo_ms)
-        engine_closed_loop(engine, engine_cfg, POLICIES["tau1"], 1, 1, 8, PROMPTS)  # warm-up
+        from dmtd.serve.controller import TauController
+
+        engine_ctl = TauController(engine_cfg)  # one for the whole bench, like the replica's
+        engine_closed_loop(engine, engine_cfg, POLICIES["tau1"], 1, 1, 8, PROMPTS, engine_ctl)  # warm-up
     try:
         one_request(target, 0, "tau1", 8)  # warm-up
         jobs = [(p, n) for n in concurrency for p in policies]
@@ -192,7 +198,8 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
                 if engine is not None and n > 0:
                     c0 = cpu_snapshot()["client"]
                     eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n,
-                                                     args.requests_per_worker, args.max_new_tokens, PROMPTS)
+                                                     args.requests_per_worker, args.max_new_tokens, PROMPTS,
+                                                     engine_ctl)
                     e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
                     e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
                     engine_tries.append(e)
@@ -215,6 +222,10 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
     result = {"target": target, "variant": args.variant or default_variant, "max_new_tokens": args.max_new_tokens,
               "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
               "requests_per_worker": args.requests_per_worker, "rows": rows}
+    if started:
+        from dmtd.serve.app import stream_interval
+
+        result["stream_interval_ms"] = stream_interval({"stream_interval_ms": args.stream_interval_ms})
     print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
     for r in rows:

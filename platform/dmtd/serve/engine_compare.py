@@ -44,11 +44,15 @@ def _bounds(cfg: ControllerConfig, lo: int, hi: int) -> tuple[int, int]:
 
 
 def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tuple[int, int], n: int,
-                       per_worker: int, max_new: int, prompts: list[str]) -> tuple[list[dict[str, Any]], float]:
+                       per_worker: int, max_new: int, prompts: list[str], ctl: TauController | None = None
+                       ) -> tuple[list[dict[str, Any]], float]:
     """N workers × ``per_worker`` chat requests of ``max_new`` tokens (``ignore_eos``), prompts as the serve
     bench picks them (worker w's j-th request asks ``prompts[(100 w + j) % len]``). Returns per-request
-    records shaped like ``bench.one_request``'s and the run's wall time."""
-    ctl = TauController(cfg)
+    records shaped like ``bench.one_request``'s and the run's wall time.
+
+    ``ctl``: the controller to drive and feed; pass the same one to every run of a bench, as a replica's one
+    controller sees every request it serves (fixed-τ ones too), so that both sides carry the same history."""
+    ctl = ctl if ctl is not None else TauController(cfg)
     lo, hi = _bounds(cfg, *tau_bounds)
     live: dict[str, _Req] = {}
     results: list[dict[str, Any]] = []

@@ -14,6 +14,7 @@ from 15 ms to 30 ms (docs/benchmarks.md, "The stack against the engine").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -56,6 +57,7 @@ class _Live:
     prompt_ids: list[int] = field(default_factory=list)
     step_ms: float = 0.0  # engine steps this request ran in since its last block
     ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
+    last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
 
 
 class EngineLoop:
@@ -111,8 +113,13 @@ class EngineLoop:
             hi = max(min(hi, req.tau_max), lo)
         return lo, hi
 
-    async def submit(self, req: ReplicaRequest) -> AsyncGenerator[Block, None]:
-        """Queue a request and yield its blocks; cancelling the iteration frees its slot."""
+    async def submit(self, req: ReplicaRequest, stream_interval_ms: float = 0.0
+                     ) -> AsyncGenerator[list[Block], None]:
+        """Queue a request and yield its blocks, in order, as lists; cancelling the iteration frees its slot.
+
+        With ``stream_interval_ms`` > 0, blocks that come sooner than that after the previous list wait for the
+        rest of the interval and go together (one streamed item instead of several; Ray Serve LLM batches its
+        streams the same way, every 50 ms). The first block and a request's last one never wait."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
             raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
         if req.request_id in self.live:
@@ -132,15 +139,29 @@ class EngineLoop:
             live.prompt_ids = await self._encode(req)
             self._adds.append(req.request_id)
             self._wake.set()
+            interval_s, last_sent = max(0.0, stream_interval_ms) / 1e3, None
             while True:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                now = time.perf_counter()
-                item.dispatch_ms = (now - live.ready.popleft()) * 1e3 if live.ready else 0.0
-                item.sent_s = time.time()
-                yield item
-                if item.finish_reason:
+                batch = [item]
+                if interval_s and last_sent is not None and not item.finish_reason:
+                    wait = last_sent + interval_s - time.perf_counter()
+                    if wait > 0:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(live.last.wait(), wait)  # the last block goes at once
+                    while not live.queue.empty() and not batch[-1].finish_reason:
+                        more = live.queue.get_nowait()
+                        if isinstance(more, BaseException):
+                            raise more
+                        batch.append(more)
+                now, sent = time.perf_counter(), time.time()
+                for b in batch:
+                    b.dispatch_ms = (now - live.ready.popleft()) * 1e3 if live.ready else 0.0
+                    b.sent_s = sent
+                yield batch
+                last_sent = time.perf_counter()
+                if batch[-1].finish_reason:
                     return
         finally:
             if self.live.pop(req.request_id, None) is not None:
@@ -190,6 +211,7 @@ class EngineLoop:
         live = self.live.pop(rid, None)
         if live is not None:
             live.queue.put_nowait(error)
+            live.last.set()
         self._aborts.add(rid)
         if self.telemetry is not None:
             self.telemetry.on_finish(rid, reason, error=str(error))
@@ -356,6 +378,8 @@ class EngineLoop:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
         live.ready.append(now)
         live.queue.put_nowait(block)
+        if o.finished:
+            live.last.set()
 
     def _apply_controller(self) -> None:
         self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)

@@ -98,7 +98,7 @@ class GatewayCore:
             req.sent_s = time.time()
             if req.arrival_s:
                 rt.stage("gateway_receive", max(0.0, (req.sent_s - req.arrival_s) * 1e3))
-            gen = route.handle.options(stream=True).generate.remote(req)
+            gen = route.handle.options(stream=True).generate_batches.remote(req)
             async for block in rechunk(self._cycles(gen, rt), min_tokens, flush_ms):
                 finished = bool(block.finish_reason)
                 rt.delivered(len(block.token_ids))
@@ -119,14 +119,17 @@ class GatewayCore:
 
     @staticmethod
     async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[Block]:
-        """The replica's blocks as they arrive (one per DMTD cycle), counted before any re-chunking."""
-        async for block in gen:
-            if block.sent_s:
-                rt.stage("ray_hop", max(0.0, (time.time() - block.sent_s) * 1e3))
-            rt.stage("engine_step", block.step_ms)
-            rt.stage("dispatch", block.dispatch_ms)
-            rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
-            yield block
+        """The replica's blocks (one per DMTD cycle; a streamed item carries the blocks that became ready within
+        the replica's stream interval), one by one, counted before any re-chunking."""
+        async for batch in gen:
+            arrived = time.time()
+            for block in batch:
+                if block.sent_s:
+                    rt.stage("ray_hop", max(0.0, (arrived - block.sent_s) * 1e3))
+                rt.stage("engine_step", block.step_ms)
+                rt.stage("dispatch", block.dispatch_ms)
+                rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
+                yield block
 
 
     @staticmethod

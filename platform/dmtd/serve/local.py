@@ -37,6 +37,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="a replica gathers a request's blocks that are ready within this interval into one streamed "
+                   "item; the first and the last block go at once (default 40; 0: every block on its own)")
     p.add_argument("--metrics-port", type=int, default=9464,
                    help="Prometheus port of the gateway; replicas take the next free ports")
     p.add_argument("--trace-exporter", choices=["memory", "console", "otlp", "none"], default=None,
@@ -161,7 +164,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
         "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
-        "tls_cert_file": cert, "tls_key_file": key,
+        "tls_cert_file": cert, "tls_key_file": key, "stream_interval_ms": getattr(args, "stream_interval_ms", None),
     })
 
     def start() -> None:

@@ -44,8 +44,12 @@ class DMTDReplica:
 
     def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
                  registry_url: str | None = None, variant: str | None = None,
-                 telemetry: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> None:
+                 telemetry: dict[str, Any] | None = None, limits: dict[str, Any] | None = None,
+                 stream_interval_ms: float = 0.0) -> None:
         bind_serve_internal_grpc()
+        if not 0.0 <= float(stream_interval_ms) <= 1000.0:
+            raise ValueError(f"stream_interval_ms: must be within 0..1000 ms, got {stream_interval_ms!r}")
+        self.stream_interval_ms = float(stream_interval_ms)
         self.limits = Limits(**(limits or {}))  # the gateway's: a request it let through passes here too
         executor = engine_executor()  # the engine is built, and only ever run, on this one thread (engine_loop)
         engine, cfg = executor.submit(engine_factory).result()
@@ -88,6 +92,20 @@ class DMTDReplica:
                           "min_confidence": entry.min_confidence, "default_profile": entry.default_profile})
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Block]:
+        """The request's blocks, one by one, as soon as each is ready."""
+        async with contextlib.aclosing(self._blocks(request, 0.0)) as batches:  # closing us closes it at once
+            async for batch in batches:
+                for block in batch:
+                    yield block
+
+    async def generate_batches(self, request: ReplicaRequest) -> AsyncIterator[list[Block]]:
+        """The request's blocks in lists, at most one list per ``stream_interval_ms`` after the first (what the
+        gateway streams: one Ray item carries every block that became ready in the interval)."""
+        async with contextlib.aclosing(self._blocks(request, self.stream_interval_ms)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def _blocks(self, request: ReplicaRequest, interval_ms: float) -> AsyncIterator[list[Block]]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
         if not isinstance(request, ReplicaRequest):
             raise RequestFailed("request", f"request: not a replica request (got {type(request).__name__})")
@@ -96,9 +114,9 @@ class DMTDReplica:
         except InvalidRequest as e:
             raise RequestFailed(e.field, str(e)) from e
         req.profile = self.loop.controller.cfg.profile_of(req.profile)
-        async with contextlib.aclosing(self.loop.submit(req)) as blocks:
-            async for block in blocks:
-                yield block
+        async with contextlib.aclosing(self.loop.submit(req, interval_ms)) as batches:
+            async for batch in batches:
+                yield batch
 
     async def metrics_url(self) -> str | None:
         """Where this replica's Prometheus endpoint listens (None: not served)."""

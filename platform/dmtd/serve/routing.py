@@ -17,7 +17,7 @@ from dmtd_contract.registry import VariantNotFound, pick_weighted
 @dataclass(slots=True)
 class Route:
     name: str
-    handle: Any  # a Serve DeploymentHandle (or any object with the same ``options().generate.remote`` API)
+    handle: Any  # a Serve DeploymentHandle (or any object with the same ``options().generate_batches.remote`` API)
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
