@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dmtd.engine.config import EngineConfig
-from dmtd.engine.draft_policy import PassCosts, best_num_drafts, expected_tokens
+from dmtd.engine.draft_policy import PassCosts, best_num_drafts, expected_tokens, worth_exploring
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import SamplingParams
 from tests.conftest import tiny_engine
@@ -54,11 +54,34 @@ def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_sc
         assert drafted <= 0.25 * tokens  # vs ~0.6 when every draft is accepted
 
 
-def test_exploring_cycles_draft_even_when_the_policy_says_no():
+def test_a_lone_rows_tail_is_charged_its_share_of_the_batch():
+    """A draft pass of one row at batch 16 makes all 16 wait: per row it costs 16× its seconds ÷ the batch's
+    step, so drafting that pays at batch 1 does not at batch 16 (and exploring it cannot pay either)."""
+    costs = PassCosts(checks={(1, 1): 1.0, (1, 2): 1.05, (16, 1): 3.0, (16, 2): 3.2}, drafts={1: 0.45},
+                      draft_rows=1.0, decay=0.5)
+    assert costs.cycle_cost(1, 1) == pytest.approx(1.05 + 0.45)
+    assert costs.cycle_cost(16, 1) == pytest.approx(3.2 / 3.0 + 0.45 * 16 / 3.0)
+    good = ([70], [100])  # 70% of first drafts accepted
+    assert best_num_drafts(1, 1, costs, *good) == 1
+    assert best_num_drafts(1, 16, costs, *good) == 0
+    assert worth_exploring(0, 1, 1, costs, [0], [100]) and not worth_exploring(0, 1, 16, costs, [0], [100])
+    assert not worth_exploring(1, 1, 1, costs, *good)  # nothing further to draft
+    costs.observe_draft(16, 1.6)  # 16 rows that draft together share one pass
+    costs.observe_draft(16, 1.6)
+    assert costs.draft_rows == pytest.approx(12.25) and costs.tail_share(16, 3.0) == pytest.approx(1.6 / 12 * 16 / 3)
+    assert PassCosts(drafts={4: 0.5}).tail_share(4, 1.0) == pytest.approx(0.5)  # no sizes seen: the batch drafts
+
+
+@pytest.mark.parametrize("draft_s,explores", [(0.5, True), (5.0, False)])
+def test_exploring_cycles_draft_only_where_a_draft_could_pay(draft_s, explores):
+    """Nothing is ever accepted here. Every 8th cycle tries one draft to keep measuring, if a draft that is
+    always accepted would beat a plain step at these costs; a tail of 5 steps cannot, so none is tried."""
     base = base_model(1, 1.0)
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True),
                     default_cycle_len=1, eos_token_ids=[])
-    eng.pass_costs = PassCosts(checks={(1, r): 1.0 + r for r in range(1, 5)}, drafts={1: 5.0}, decay=1.0)
+    eng.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: draft_s}, decay=1.0)
     res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=48, cycle_len=4, exact=True))[0]
-    assert res.num_drafted > 0  # the 1-in-8 exploring cycles still measure
-    assert res.drafted_by_pos[0] <= 48 // 8 + 1
+    if explores:
+        assert 0 < res.drafted_by_pos[0] <= 48 // 8 + 1  # the 1-in-8 exploring cycles, one draft each
+    else:
+        assert res.num_drafted == 0

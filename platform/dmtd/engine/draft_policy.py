@@ -20,34 +20,50 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior acceptance
 
 @dataclass(slots=True)
 class PassCosts:
-    """Running mean seconds of checks (by batch size and positions per row) and of draft steps (by batch size)."""
+    """Running mean seconds of checks (by batch size and positions per row) and of draft steps (by batch size),
+    and the mean number of rows a draft step drafts."""
 
     tail_prior: float = 0.45  # a tail pass ÷ a full pass, before any is measured
     check_prior_per_position: float = 0.05  # memory-bound: one more position re-reads no weights
     decay: float = 0.9
     checks: dict[tuple[int, int], float] = field(default_factory=dict)
     drafts: dict[int, float] = field(default_factory=dict)
+    draft_rows: float | None = None  # running mean of the rows a draft pass drafts (None: as many as the batch)
 
     def observe_check(self, batch: int, positions: int, seconds: float) -> None:
         self._mean(self.checks, (batch, positions), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
         self._mean(self.drafts, batch, seconds)
+        old = self.draft_rows
+        self.draft_rows = batch if old is None else self.decay * old + (1 - self.decay) * batch
+
+    def tail_share(self, batch: int, unit: float) -> float:
+        """One drafting row's tail, in units of its share (``unit / batch``) of the batch's one-position check.
+
+        A draft pass runs only the rows that draft at that moment (``draft_rows`` of them on average, often a
+        few of many when a batch is out of phase), and every other row waits for it: each of its rows costs
+        the pass's seconds ÷ its rows, times the batch. At batch 16 here a lone row's tail costs a few of its
+        own steps, where at batch 1 it costs about half of one."""
+        if not self.drafts:
+            return self.tail_prior
+        d = max(1, min(batch, round(self.draft_rows if self.draft_rows is not None else batch)))
+        size = min(self.drafts, key=lambda k: (abs(k - d), k))  # the measured pass size nearest d
+        return self.drafts[size] / d * batch / unit
 
     def _mean(self, table: dict[Any, float], key: Any, seconds: float) -> None:
         old = table.get(key)
         table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def cycle_cost(self, batch: int, num_drafts: int) -> float:
-        """Cost of a cycle with ``num_drafts`` drafts, in one-position checks at this batch size."""
+        """Cost of one row's cycle with ``num_drafts`` drafts, in units of that row's share of a one-position
+        check at this batch size (a plain base step of the whole batch costs each row 1)."""
         unit = self.checks.get((batch, 1))
         if unit is None:
             return 1 + num_drafts * (self.check_prior_per_position + self.tail_prior)
         check = self.checks.get((batch, num_drafts + 1))
         check_cost = check / unit if check is not None else 1 + num_drafts * self.check_prior_per_position
-        tail = self.drafts.get(batch)
-        tail_cost = tail / unit if tail is not None else self.tail_prior
-        return check_cost + num_drafts * tail_cost
+        return check_cost + num_drafts * self.tail_share(batch, unit)
 
 
 def expected_tokens(accepted_by_pos: list[int], drafted_by_pos: list[int], num_drafts: int,
@@ -62,6 +78,17 @@ def expected_tokens(accepted_by_pos: list[int], drafted_by_pos: list[int], num_d
         run *= (acc + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
         total += run
     return total
+
+
+def worth_exploring(num_drafts: int, max_drafts: int, batch: int, costs: PassCosts, accepted_by_pos: list[int],
+                    drafted_by_pos: list[int], prior: float = PRIOR_ACCEPTANCE) -> bool:
+    """Whether drafting one more than ``num_drafts`` could pay at all: only if, with every draft accepted, it
+    would beat the chosen count's expected rate. Exploring a draft that cannot pay only costs (at batch 16
+    here a lone row's tail costs several of its steps)."""
+    if num_drafts >= max_drafts:
+        return False
+    best = expected_tokens(accepted_by_pos, drafted_by_pos, num_drafts, prior) / costs.cycle_cost(batch, num_drafts)
+    return (num_drafts + 2) / costs.cycle_cost(batch, num_drafts + 1) > best
 
 
 def best_num_drafts(max_drafts: int, batch: int, costs: PassCosts, accepted_by_pos: list[int],

@@ -14,7 +14,7 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_policy import PassCosts, best_num_drafts
+from dmtd.engine.draft_policy import PassCosts, best_num_drafts, worth_exploring
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -248,13 +248,15 @@ class LLMEngine:
     def _choose_drafts(self, seq: Sequence) -> None:
         """With ``adaptive_drafts``: the next cycle's draft count, from this request's acceptance so far and the
         measured pass costs (a plain base step when no count pays); every 8th cycle drafts one more, to keep
-        measuring."""
+        measuring, where one more could pay at all (``worth_exploring``)."""
         if not self.cfg.adaptive_drafts:
             return
         seq.draft_target = None
-        best = best_num_drafts(seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running),
-                               self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
-        seq.draft_target = best + 1 if (seq.num_heads + 1) % 8 == 0 else best  # explore one further
+        most, batch = seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running)
+        best = best_num_drafts(most, batch, self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
+        explore = (seq.num_heads + 1) % 8 == 0 and worth_exploring(best, most, batch, self.pass_costs,
+                                                                   seq.accepted_by_pos, seq.drafted_by_pos)
+        seq.draft_target = best + 1 if explore else best
 
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
