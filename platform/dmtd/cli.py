@@ -70,6 +70,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    "the next head checks, so the output is the verifier's (the base model for adapter "
                    "variants); with --server also the controller's 'quality', 'balanced', 'speed' (and 'dmtd' "
                    "is its adaptive profile); default: the variant's")
+    p.add_argument("--drafts", choices=("adaptive", "fixed"), default="adaptive",
+                   help="exact profile, local engine: 'adaptive' drafts per cycle the count with the most expected "
+                   "tokens per measured cost, none where none pays (never much slower than the base alone); "
+                   "'fixed' drafts up to τ − 1 each cycle (stopping at --min-confidence)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -135,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
-                                             quant=quant))
+                                             quant=quant, adaptive_drafts=args.drafts == "adaptive"))
     tau = args.tau if args.tau is not None else spec.default_tau
     profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(
@@ -159,8 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     checked = ""
     if params.exact:
         rate = run.num_accepted / run.num_drafted if run.num_drafted else 0.0
-        checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}), "
-                   f"verifier {engine.verifier_name}")
+        checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}, {args.drafts} "
+                   f"drafts), verifier {engine.verifier_name}")
     prec = dtype + ("" if quant == "none" else f" {quant}")
     print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}{checked}, "
           f"{prec}, finish={run.finish_reason}]", file=out)
@@ -171,7 +175,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "profile": profile, "dtype": dtype, "quant": quant,
     }
     if params.exact:
-        record.update(verifier=engine.verifier_name, num_drafted=run.num_drafted, num_accepted=run.num_accepted)
+        record.update(verifier=engine.verifier_name, num_drafted=run.num_drafted, num_accepted=run.num_accepted,
+                      drafts=args.drafts)
     if args.compare_tau1:
         # the same request at τ = 1 (every position a head), same engine, measured the same way; for the exact
         # profile that is the verifier alone — the base model's own decoding

@@ -60,12 +60,21 @@ def test_generate_compare_tau1_reports_the_speedup_over_the_same_request(smollm2
 
 def test_generate_profile_exact_says_its_tokens_are_tau1s():
     r = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "24", "--tau", "3",
-             "--min-confidence", "0", "--compare-tau1", "--json")
+             "--min-confidence", "0", "--drafts", "fixed", "--compare-tau1", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["profile"] == "exact" and out["verifier"] == "base" and out["num_drafted"] > 0
+    assert out["drafts"] == "fixed"
     assert out["tokens_match_tau1"] is True and out["token_ids"] == out["tau1_token_ids"]
     assert "tokens identical to τ = 1's (base model)" in r.stderr and "drafts accepted" in r.stderr
+    # the default, adaptive drafts: the count that pays at this machine's measured costs (maybe none), the
+    # same tokens
+    auto = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "24", "--tau",
+                "3", "--min-confidence", "0", "--compare-tau1", "--json")
+    assert auto.returncode == 0, auto.stderr
+    a = json.loads(auto.stdout.strip().splitlines()[-1])
+    assert a["drafts"] == "adaptive" and "adaptive drafts" in auto.stderr
+    assert a["tokens_match_tau1"] is True and a["token_ids"] == out["token_ids"]
     assert out["dtype"] == "float32"  # auto precision for the exact profile: bit-for-bit verifier tokens
     # and τ = 1 of the exact profile is the base model itself (in the same precision)
     base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json",

@@ -78,6 +78,7 @@ def stack(tmp_path_factory):
     app = build_app({
         # float32: the exact-profile streams are checked against float32 references token for token
         "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4, "dtype": "float32"}],
+        "drafts": "fixed",  # the exact-profile tests below watch drafts being made, checked and counted
         "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
         "registry_url": registry_url, "itl_slo_ms": 5000.0,  # no ITL pressure: tests see the operating point
         "omp_wait_policy": "PASSIVE",  # the replica shares 2 cores with the test process, Ray and the gateway

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from dmtd.serve.app import DEFAULT_STREAM_INTERVAL_MS, gateway_process_env, replica_process_env, stream_interval
+from dmtd.serve.app import (
+    DEFAULT_STREAM_INTERVAL_MS,
+    drafts_setting,
+    gateway_process_env,
+    replica_process_env,
+    stream_interval,
+)
 
 KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_GATEWAY_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD",
          "DMTD_OMP_WAIT_POLICY", "DMTD_OMP_SPIN_COUNT", "DMTD_STREAM_INTERVAL_MS")
@@ -58,3 +64,10 @@ def test_the_stream_interval_defaults_reads_the_environment_and_names_its_field(
     for bad in (-1, 1001, "soon", float("nan")):
         with pytest.raises(ValueError, match="stream_interval_ms"):
             stream_interval({"stream_interval_ms": bad})
+
+
+def test_drafts_default_to_adaptive_and_name_their_field():
+    assert drafts_setting(None) == drafts_setting("") == drafts_setting("adaptive") == "adaptive"
+    assert drafts_setting("fixed") == "fixed"
+    with pytest.raises(ValueError, match="drafts"):
+        drafts_setting("sometimes")

@@ -60,6 +60,7 @@ class EngineFactory:
     torch_threads: int = 0
     dtype: str | None = None  # None: the variant's recommendation, else auto (dmtd.engine.lowbit.resolve_dtype)
     quant: str | None = None
+    adaptive_drafts: bool = True  # exact requests: the draft count that pays (EngineConfig.adaptive_drafts)
 
     def __call__(self) -> tuple[Any, ControllerConfig]:
         import torch
@@ -75,7 +76,8 @@ class EngineFactory:
         spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
                            search_dirs=[SHIPPED_VARIANTS])
         engine = build_engine(spec, EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                                                 device=device, dtype=dtype, quant=quant))
+                                                 device=device, dtype=dtype, quant=quant,
+                                                 adaptive_drafts=self.adaptive_drafts))
         tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
         cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
                                rest_min_confidence=spec.min_confidence, itl_slo_ms=self.itl_slo_ms,
@@ -364,6 +366,14 @@ def stream_interval(args: dict[str, Any]) -> float:
     return value
 
 
+def drafts_setting(value: Any) -> str:
+    """How exact requests draft: ``adaptive`` (default: the count that pays, none where none does) or ``fixed``."""
+    text = "adaptive" if value in (None, "") else str(value)
+    if text not in ("adaptive", "fixed"):
+        raise ValueError(f"drafts: must be 'adaptive' or 'fixed', got {value!r}")
+    return text
+
+
 def build_app(args: dict[str, Any]) -> Any:
     """Serve application from args: ``variants`` [{name, variant?, model?, decoding_layers?, weight?}],
     ``grpc_port``, ``max_num_seqs``, ``max_queued``, ``replicas`` (per variant), ``itl_slo_ms``; telemetry:
@@ -374,6 +384,12 @@ def build_app(args: dict[str, Any]) -> Any:
 
     ``dtype`` (``auto`` / ``float32`` / ``bfloat16``) and ``quant`` (``none`` / ``int8`` / ``int4``), per variant
     or at top level; default: the variant manifest's recommendation, else ``auto`` / ``none``.
+
+    ``drafts`` (per variant or at top level): how the replicas' engines draft for exact requests, ``adaptive``
+    (default) or ``fixed`` (up to τ − 1 a cycle, stopping at the gate).
+
+    ``stream_interval_ms`` (default 40; env ``DMTD_STREAM_INTERVAL_MS``): a replica streams a request's first
+    and last block at once, and in between at most one Ray item per interval, carrying every block ready.
 
     ``omp_wait_policy`` (``PASSIVE`` / ``ACTIVE``; default: env ``DMTD_OMP_WAIT_POLICY``, else unset = OpenMP's
     own) is set in each replica's process. PASSIVE saves a CPU replica that shares its cores with other busy
@@ -404,7 +420,8 @@ def build_app(args: dict[str, Any]) -> Any:
                                 max_model_len=int(args.get("max_model_len", 2048)),
                                 itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
                                 torch_threads=int(args.get("torch_threads", 0)),
-                                dtype=v.get("dtype", args.get("dtype")), quant=v.get("quant", args.get("quant")))
+                                dtype=v.get("dtype", args.get("dtype")), quant=v.get("quant", args.get("quant")),
+                                adaptive_drafts=drafts_setting(v.get("drafts", args.get("drafts"))) == "adaptive")
         from dmtd.serve.replica import DMTDReplica
 
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"

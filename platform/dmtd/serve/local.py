@@ -37,6 +37,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
+    p.add_argument("--drafts", choices=("adaptive", "fixed"), default=None,
+                   help="how replicas draft for exact requests: 'adaptive' (default: the count that pays, none "
+                   "where none does) or 'fixed' (up to τ − 1 a cycle)")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="a replica gathers a request's blocks that are ready within this interval into one streamed "
                    "item; the first and the last block go at once (default 40; 0: every block on its own)")
@@ -165,6 +168,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
         "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
         "tls_cert_file": cert, "tls_key_file": key, "stream_interval_ms": getattr(args, "stream_interval_ms", None),
+        "drafts": getattr(args, "drafts", None),
     })
 
     def start() -> None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from dmtd.engine.llm import LLMEngine
@@ -105,7 +105,7 @@ class DMTDReplica:
             async for batch in batches:
                 yield batch
 
-    async def _blocks(self, request: ReplicaRequest, interval_ms: float) -> AsyncIterator[list[Block]]:
+    async def _blocks(self, request: ReplicaRequest, interval_ms: float) -> AsyncGenerator[list[Block], None]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
         if not isinstance(request, ReplicaRequest):
             raise RequestFailed("request", f"request: not a replica request (got {type(request).__name__})")
