@@ -1,10 +1,10 @@
-"""The environment ``build_app`` gives the gateway's and the replicas' Ray worker processes."""
+"""The settings ``build_app`` reads (dmtd.serve.settings): the processes' environment, stream interval, drafts."""
 
 from __future__ import annotations
 
 import pytest
 
-from dmtd.serve.app import (
+from dmtd.serve.settings import (
     DEFAULT_STREAM_INTERVAL_MS,
     drafts_setting,
     gateway_process_env,

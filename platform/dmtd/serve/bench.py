@@ -223,7 +223,7 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
               "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
               "requests_per_worker": args.requests_per_worker, "rows": rows}
     if started:
-        from dmtd.serve.app import stream_interval
+        from dmtd.serve.settings import stream_interval
 
         result["stream_interval_ms"] = stream_interval({"stream_interval_ms": args.stream_interval_ms})
     print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
