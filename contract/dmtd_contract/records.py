@@ -82,3 +82,6 @@ class Block:
     step_ms: float = 0.0
     dispatch_ms: float = 0.0
     sent_s: float = 0.0
+    # CPU time of the engine's thread in those steps: ``step_ms`` minus it is time the thread was runnable
+    # but preempted, or waiting (for the GIL, for the event loop to hand it the next step)
+    step_cpu_ms: float = 0.0

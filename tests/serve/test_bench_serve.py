@@ -56,6 +56,7 @@ def test_compare_engine_runs_the_same_workload_on_an_in_process_engine(stack, tm
         assert r["engine_ttft_p95_ms"] >= r["engine_ttft_p50_ms"] > 0 and r["engine_itl_p50_ms"] > 0
         assert len(r["repeats_tokens_per_s"]) == 2 and r["tokens_per_s"] == max(r["repeats_tokens_per_s"])
         assert e["cpu_ms_per_token"] > 0
+        assert 0 < e["step_cpu_ms_per_token"] <= e["step_ms_per_token"] * 1.001  # the engine thread's CPU ≤ wall
 
 
 def test_stage_breakdown_comes_from_both_processes_spans(stack):
@@ -64,14 +65,15 @@ def test_stage_breakdown_comes_from_both_processes_spans(stack):
     import uuid
 
     from dmtd.serve.bench import closed_loop
-    from dmtd.serve.bench_stages import STAGES, collect_stages
+    from dmtd.serve.bench_stages import MEASURES, STAGES, collect_stages
 
     tag = f"stages-{uuid.uuid4().hex[:8]}"
     res, _ = closed_loop(stack.grpc_target, "tau1", 2, 2, 6, tag)
     table = collect_stages(stack.app, tag, expected=4)
     assert table["requests"] == 4 and table["tokens"] == sum(r["tokens"] for r in res) == 24
     per_req = table["ms_per_request"]
-    assert set(per_req) == set(STAGES) and all(v >= 0 for v in per_req.values())
+    assert set(per_req) == set(MEASURES) == set(STAGES) | {"engine_step_cpu"} and all(v >= 0 for v in per_req.values())
     assert 0 < per_req["engine_step"] <= table["e2e_ms_per_request"]
+    assert 0 < per_req["engine_step_cpu"] <= per_req["engine_step"]  # the engine thread's CPU in its steps
     assert per_req["ray_hop"] > 0 and per_req["client_write"] > 0
     assert all(abs(table["ms_per_token"][k] - v * 4 / 24) < 1e-6 for k, v in per_req.items())

@@ -255,6 +255,8 @@ def test_streamed_items_gather_the_blocks_of_an_interval_and_the_last_block_goes
     assert len(got) == 2 and len(got[0]) == 1 and len(got[1]) == len(flat) - 1 > 1
     assert flat[-1].finish_reason == "length" and all(not b.finish_reason for b in flat[:-1])
     assert len({b.sent_s for b in got[1]}) == 1 and all(b.dispatch_ms >= 0 for b in flat)
+    # every block carries its steps' wall time and the engine thread's CPU time in them (never more)
+    assert all(0 < b.step_cpu_ms <= b.step_ms for b in flat)
     with pytest.raises(ValueError, match="stream_interval_ms"):
         make_replica(stream_interval_ms=1001)
 

@@ -202,6 +202,8 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
                                                      engine_ctl)
                     e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
                     e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
+                    for k in ("step_ms", "step_cpu_ms"):  # the stack's engine_step / engine_step_cpu stages
+                        e[f"{k}_per_token"] = sum(x[k] for x in eres) / max(e["tokens"], 1)
                     engine_tries.append(e)
             row = max(tries, key=lambda r: r["tokens_per_s"])  # best of the repeats, as bench engine reports
             if len(tries) > 1:
@@ -260,6 +262,16 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         for r in staged:
             print(f"{r['concurrency']:>4} {r['policy']:>9} "
                   + " ".join(f"{r['stages']['ms_per_token'][s]:>15.2f}" for s in STAGES))
+    stepped = [r for r in staged if "step_ms_per_token" in r.get("engine", {})]
+    if stepped:
+        print("\nengine steps, ms per token: wall and the engine thread's CPU, in the replica and in-process:\n"
+              f"{'N':>4} {'policy':>9} {'stack wall':>10} {'stack CPU':>9} {'not running':>11} {'engine wall':>11} "
+              f"{'engine CPU':>10}")
+        for r in stepped:
+            s, e = r["stages"]["ms_per_token"], r["engine"]
+            print(f"{r['concurrency']:>4} {r['policy']:>9} {s['engine_step']:>10.2f} {s['engine_step_cpu']:>9.2f} "
+                  f"{s['engine_step'] - s['engine_step_cpu']:>11.2f} {e['step_ms_per_token']:>11.2f} "
+                  f"{e['step_cpu_ms_per_token']:>10.2f}")
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,9 @@ Stages of one request (attributes of its spans, see ``telemetry.gateway`` and ``
 * ``client_write``: from a block reaching the gateway to the gateway asking for the next one (conversion to
   protobuf and the gRPC write).
 
+Beside the stages (not one of them: it is part of ``engine_step``), ``engine_step_cpu``: the CPU time of the
+engine's thread in those steps; ``engine_step`` minus it is time that thread was preempted or waiting.
+
 Blocks of one request overlap (the engine computes the next while the last travels), so the stages of a
 request add up to more than its end-to-end time when the stack pipelines well.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 STAGES = ("gateway_receive", "ray_hop", "replica_queue", "engine_step", "dispatch", "client_write")
+MEASURES = STAGES + ("engine_step_cpu",)  # what stage_table reports: the stages and the engine thread's CPU
 
 
 def _by_request(spans: list[dict[str, Any]], name: str, tag: str) -> dict[str, dict[str, Any]]:
@@ -35,7 +39,7 @@ def _by_request(spans: list[dict[str, Any]], name: str, tag: str) -> dict[str, d
 
 def stage_table(gateway: dict[str, dict[str, Any]], replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Mean ms per request and per token of every stage, over the requests both processes recorded."""
-    totals = dict.fromkeys(STAGES, 0.0)
+    totals = dict.fromkeys(MEASURES, 0.0)
     e2e = tokens = 0.0
     n = 0
     for rid, g in gateway.items():
@@ -49,7 +53,7 @@ def stage_table(gateway: dict[str, dict[str, Any]], replica: dict[str, dict[str,
         totals["gateway_receive"] += float(ga.get("dmtd.stage.gateway_receive_ms", 0.0))
         totals["ray_hop"] += float(ga.get("dmtd.stage.ray_hop_ms", 0.0)) + float(ra.get("dmtd.stage.ray_hop_ms", 0.0))
         totals["replica_queue"] += float(ra.get("dmtd.stage.replica_queue_ms", 0.0))
-        for k in ("engine_step", "dispatch", "client_write"):
+        for k in ("engine_step", "engine_step_cpu", "dispatch", "client_write"):
             totals[k] += float(ga.get(f"dmtd.stage.{k}_ms", 0.0))
     if not n:
         return {"requests": 0}

@@ -31,6 +31,8 @@ class _Req:
     last: float | None = None
     tokens: int = 0
     itl_ms: list[float] = field(default_factory=list)
+    step_ms: float = 0.0  # the steps it ran in: wall time, and this thread's CPU time (as a replica's blocks carry)
+    step_cpu_ms: float = 0.0
 
 
 def _bounds(cfg: ControllerConfig, lo: int, hi: int) -> tuple[int, int]:
@@ -71,8 +73,13 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
     for w in range(n):
         submit(w, 0)
     while live:
+        t0, c0 = time.perf_counter(), time.thread_time()
         outputs = engine.step()
-        now = time.perf_counter()
+        now, cpu_ms = time.perf_counter(), (time.thread_time() - c0) * 1e3
+        for rid in {o.req_id for o in outputs}:
+            if (q := live.get(rid)) is not None:
+                q.step_ms += (now - t0) * 1e3
+                q.step_cpu_ms += cpu_ms
         for o in outputs:
             r = live.get(o.req_id)
             if r is None or (not o.block and not o.finished):
@@ -90,7 +97,8 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
                 engine.release(o.req_id)
                 del live[o.req_id]
                 results.append({"ttft_ms": ((r.first or r.t0) - r.t0) * 1e3, "e2e_ms": ((r.last or r.t0) - r.t0) * 1e3,
-                                "tokens": r.tokens, "itl_ms": r.itl_ms})
+                                "tokens": r.tokens, "itl_ms": r.itl_ms, "step_ms": r.step_ms,
+                                "step_cpu_ms": r.step_cpu_ms})
                 if r.index + 1 < per_worker:
                     submit(r.worker, r.index + 1)
         ctl.observe_load(engine.num_waiting, engine.num_running)

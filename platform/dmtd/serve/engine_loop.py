@@ -56,6 +56,7 @@ class _Live:
     cycles_cut: int = 0
     prompt_ids: list[int] = field(default_factory=list)
     step_ms: float = 0.0  # engine steps this request ran in since its last block
+    step_cpu_ms: float = 0.0  # the engine thread's CPU time in those steps
     ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
     last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
 
@@ -246,10 +247,10 @@ class EngineLoop:
             self._fail(rid, self._internal(rid, "admission failed", error))
 
     def _engine_work(self, admissions: list[tuple[str, int, float, SamplingParams]]
-                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None]:
+                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None, float]:
         """On the engine's thread: add the admitted requests, then run one step if any request is unfinished.
-        Returns each admission's error (None: added) and wall time, and the step's outputs (None: no step).
-        An exception of the step itself propagates."""
+        Returns each admission's error (None: added) and wall time, the step's outputs (None: no step) and the
+        CPU seconds this thread spent in it. An exception of the step itself propagates."""
         added: list[tuple[str, BaseException | None, float]] = []
         for rid, _tau, _conf, params in admissions:
             live = self.live.get(rid)
@@ -260,7 +261,11 @@ class EngineLoop:
                 added.append((rid, None, time.time()))
             except Exception as e:
                 added.append((rid, e, time.time()))
-        return added, self.engine.step() if self.engine.has_unfinished() else None
+        if not self.engine.has_unfinished():
+            return added, None, 0.0
+        cpu0 = time.thread_time()
+        outputs = self.engine.step()
+        return added, outputs, time.thread_time() - cpu0
 
     def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
                   t_perf: float) -> None:
@@ -296,7 +301,7 @@ class EngineLoop:
                 continue
             t_step = time.perf_counter()
             try:
-                added, outputs = await loop.run_in_executor(self._executor, self._engine_work, admissions)
+                added, outputs, cpu_s = await loop.run_in_executor(self._executor, self._engine_work, admissions)
             except Exception as e:  # an engine bug must not hang every stream
                 for rid in list(self.live):
                     self._fail(rid, self._internal(rid, "engine step failed", e))
@@ -313,6 +318,7 @@ class EngineLoop:
             for rid in {o.req_id for o in outputs}:
                 if (lv := self.live.get(rid)) is not None:
                     lv.step_ms += step_ms
+                    lv.step_cpu_ms += cpu_s * 1e3
             if self.telemetry is not None:
                 self._observe_step(outputs, now - t_step)
             for o in outputs:
@@ -352,8 +358,9 @@ class EngineLoop:
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
             num_drafted=o.num_drafted, num_accepted=o.num_accepted, step_ms=live.step_ms,
+            step_cpu_ms=live.step_cpu_ms,
         )
-        live.text, live.t_last, live.step_ms = [], now, 0.0
+        live.text, live.t_last, live.step_ms, live.step_cpu_ms = [], now, 0.0, 0.0
         live.block_index += 1
         seq = self.engine.seqs.get(o.req_id)
         if self.telemetry is not None:

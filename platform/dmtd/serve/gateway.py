@@ -127,6 +127,7 @@ class GatewayCore:
                 if block.sent_s:
                     rt.stage("ray_hop", max(0.0, (arrived - block.sent_s) * 1e3))
                 rt.stage("engine_step", block.step_ms)
+                rt.stage("engine_step_cpu", block.step_cpu_ms)
                 rt.stage("dispatch", block.dispatch_ms)
                 rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
                 yield block
