@@ -77,3 +77,28 @@ def test_stage_breakdown_comes_from_both_processes_spans(stack):
     assert 0 < per_req["engine_step_cpu"] <= per_req["engine_step"]  # the engine thread's CPU in its steps
     assert per_req["ray_hop"] > 0 and per_req["client_write"] > 0
     assert all(abs(table["ms_per_token"][k] - v * 4 / 24) < 1e-6 for k, v in per_req.items())
+
+
+def test_the_in_process_engine_shows_its_controller_the_load_a_replica_would(smollm2):
+    """At N = 1 a closed loop never has a request waiting: the next one reaches a replica a round trip after
+    the last finished. The in-process engine must not count it as queued when it tells its controller the
+    load (it did, and the controller held the engine at its pressure gate and a raised τ at every request
+    boundary, a faster and lower-quality operating point than the replica's)."""
+    from dmtd.engine.config import DMTDConfig, EngineConfig
+    from dmtd.engine.llm import LLMEngine
+    from dmtd.serve.bench import PROMPTS
+    from dmtd.serve.controller import ControllerConfig, TauController
+    from dmtd.serve.engine_compare import engine_closed_loop
+
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
+                       EngineConfig(max_num_seqs=4, max_model_len=256), default_cycle_len=1)
+    # an ITL SLO no step misses on a loaded test machine: only the queue could put the controller under pressure
+    cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=3, rest_min_confidence=0.5, max_batch=4, itl_slo_ms=60e3)
+    ctl = TauController(cfg)
+    loads: list[tuple[int, int]] = []
+    observe = ctl.observe_load
+    ctl.observe_load = lambda q, running: (loads.append((q, running)), observe(q, running))[1]  # type: ignore[method-assign]
+    res, _ = engine_closed_loop(engine, cfg, (0, 0), 1, 3, 4, PROMPTS, ctl)
+    assert [r["tokens"] for r in res] == [4, 4, 4]
+    assert loads and all(q == 0 and running <= 1 for q, running in loads)
+    assert ctl.decision.min_confidence == 0.5 and ctl.decision.tau == 3  # the rest point: no pressure seen

@@ -73,6 +73,7 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
     for w in range(n):
         submit(w, 0)
     while live:
+        successors: list[tuple[int, int]] = []
         t0, c0 = time.perf_counter(), time.thread_time()
         outputs = engine.step()
         now, cpu_ms = time.perf_counter(), (time.thread_time() - c0) * 1e3
@@ -100,7 +101,10 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
                                 "tokens": r.tokens, "itl_ms": r.itl_ms, "step_ms": r.step_ms,
                                 "step_cpu_ms": r.step_cpu_ms})
                 if r.index + 1 < per_worker:
-                    submit(r.worker, r.index + 1)
+                    successors.append((r.worker, r.index + 1))
+        # the load as a replica's controller sees it after a step: a worker's next request is not queued yet
+        # (through the stack it arrives a round trip later); counted here, it read as pressure at every
+        # request boundary and held the engine at the pressure gate
         ctl.observe_load(engine.num_waiting, engine.num_running)
         d = ctl.decision
         for rid in live:
@@ -111,6 +115,8 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
             if seq.cycle_len != tau:
                 engine.set_cycle_len(rid, tau)
             seq.params.min_confidence = d.min_confidence
+        for w, j in successors:
+            submit(w, j)
     return results, time.perf_counter() - t_start
 
 
