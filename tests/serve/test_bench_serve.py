@@ -87,17 +87,21 @@ def test_the_in_process_engine_shows_its_controller_the_load_a_replica_would(smo
     from dmtd.engine.config import DMTDConfig, EngineConfig
     from dmtd.engine.llm import LLMEngine
     from dmtd.serve.bench import PROMPTS
-    from dmtd.serve.controller import ControllerConfig, TauController
+    from dmtd.serve.controller import ControllerConfig, Decision, TauController
     from dmtd.serve.engine_compare import engine_closed_loop
 
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=4, max_model_len=256), default_cycle_len=1)
     # an ITL SLO no step misses on a loaded test machine: only the queue could put the controller under pressure
     cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=3, rest_min_confidence=0.5, max_batch=4, itl_slo_ms=60e3)
-    ctl = TauController(cfg)
     loads: list[tuple[int, int]] = []
-    observe = ctl.observe_load
-    ctl.observe_load = lambda q, running: (loads.append((q, running)), observe(q, running))[1]  # type: ignore[method-assign]
+
+    class Recording(TauController):  # the real controller, remembering every load it was told
+        def observe_load(self, queue_depth: int, batch_size: int) -> Decision:
+            loads.append((queue_depth, batch_size))
+            return super().observe_load(queue_depth, batch_size)
+
+    ctl = Recording(cfg)
     res, _ = engine_closed_loop(engine, cfg, (0, 0), 1, 3, 4, PROMPTS, ctl)
     assert [r["tokens"] for r in res] == [4, 4, 4]
     assert loads and all(q == 0 and running <= 1 for q, running in loads)
