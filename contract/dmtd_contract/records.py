@@ -37,6 +37,10 @@ class ReplicaRequest:
     arrival_s: float = 0.0
     traceparent: str = ""  # W3C trace context of the gateway span: the replica span becomes its child
     sent_s: float = 0.0  # wall time the gateway handed it to Ray (the request's Ray hop, in the replica span)
+    # where the replica pushes the request's blocks (``host:port`` of the gateway's block sink, and the
+    # request's secret there); empty: the blocks come back as the Serve call's streamed items
+    push_to: str = ""
+    push_token: str = ""
 
 
 @dataclass(slots=True)

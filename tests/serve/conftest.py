@@ -98,11 +98,16 @@ class SecureStack:
     grpc_target: str  # TLS; the certificate names localhost
     http_url: str
     cert_pem: bytes
+    gateway: Any = None  # its Serve handle
+
+    def gateway_info(self) -> dict[str, Any]:
+        return dict(self.gateway.info.remote().result())
 
 
 @pytest.fixture(scope="session")
 def secure_stack(stack, tmp_path_factory):
-    """A second gateway over the same replica, with API keys and gRPC TLS: its own Serve app at /secure."""
+    """A second gateway over the same replica, with API keys and gRPC TLS: its own Serve app at /secure. Its
+    blocks come back as items of the Serve call (``block_push`` off), the path the main stack's sink bypasses."""
     from ray import serve
 
     from dmtd.serve.app import GatewayIngress
@@ -118,9 +123,10 @@ def secure_stack(stack, tmp_path_factory):
     gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
                                     ray_actor_options={"num_cpus": 0})
     app = gateway.bind({VARIANT: replica}, [{"name": VARIANT, "status": "active", "traffic_weight": 1.0}], VARIANT,
-                       "127.0.0.1", port, 10, None, None, None, None, str(keys), str(cert), str(key))
+                       "127.0.0.1", port, 10, None, None, None, None, str(keys), str(cert), str(key), "off")
     serve.run(app, name="dmtd-secure", route_prefix="/secure")
-    yield SecureStack(f"localhost:{port}", stack.http_url + "/secure", cert.read_bytes())
+    yield SecureStack(f"localhost:{port}", stack.http_url + "/secure", cert.read_bytes(),
+                      serve.get_deployment_handle("Gateway", app_name="dmtd-secure"))
     serve.delete("dmtd-secure")
 
 

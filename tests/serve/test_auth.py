@@ -30,6 +30,7 @@ def test_grpc_needs_a_key_over_tls(secure_stack):
         with DMTDClient(secure_stack.grpc_target, api_key=key, root_certificates=secure_stack.cert_pem) as c:
             blocks = list(c.generate(prompt="Hi", max_new_tokens=3, ignore_eos=True))
             assert sum(b.k for b in blocks) == 3 and [v.name for v in c.list_variants().variants] == [VARIANT]
+    assert secure_stack.gateway_info()["block_sink"] is None  # block_push off: the blocks came through Serve
     with grpc.secure_channel(secure_stack.grpc_target, grpc.ssl_channel_credentials(secure_stack.cert_pem)) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no key

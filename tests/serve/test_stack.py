@@ -29,6 +29,7 @@ def wait_idle(stack, timeout_s: float = 10.0) -> dict:
 
 
 def test_greedy_stream_is_the_engines_own_tokens(stack, smollm2):
+    sink = stack.gateway_info()["block_sink"]
     with DMTDClient(stack.grpc_target) as c:
         blocks = list(c.generate(messages=CHAT, max_new_tokens=24, tau_min=3, tau_max=3, min_confidence=0.0,
                                  ignore_eos=True))
@@ -42,6 +43,9 @@ def test_greedy_stream_is_the_engines_own_tokens(stack, smollm2):
     last = blocks[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 24
     assert last.usage.blocks == len(blocks) and last.usage.prompt_tokens == len(ref.prompt_token_ids)
+    after = stack.gateway_info()["block_sink"]  # the replica pushed every block to the gateway's sink
+    assert after["address"].startswith("127.0.0.1:") and after["frames"] - sink["frames"] == len(blocks)
+    assert after["open"] == 0 and after["dropped"] == sink["dropped"]
 
 
 def test_eight_concurrent_streams(stack):

@@ -142,6 +142,15 @@ def test_cli_cache_bench_and_curve(tiny_dir: Path, tiny_corpus_dir: Path, tmp_pa
     res = json.loads(out.read_text())
     assert res["steps"] == 2 and res["cached"]["tok_s"] > 0 and res["ratio"] > 0 and len(res["rows"]) == 3
     assert all(r["uncached_loss"] == pytest.approx(r["cached_loss"], rel=1e-4) for r in res["rows"])
+    # bfloat16 compute: a third arm separates the cache's gain from the precision's; the loss stays close
+    r = dmtd("train", "--run-dir", str(tmp_path / "b16"), *common, "--cache", str(corpus / "cache-e0-d2-k97-float32"),
+             "--compute-dtype", "bfloat16", "--bench", "2", "--bench-json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["arms"] == ["uncached", "cached_float32", "cached"] and res["compute_dtype"] == "bfloat16"
+    assert res["ratio_cache_only"] > 0 and res["cached"]["tok_s"] > 0
+    assert all(r["cached_float32_loss"] == pytest.approx(r["uncached_loss"], rel=1e-4) for r in res["rows"])
+    assert all(r["cached_loss"] == pytest.approx(r["cached_float32_loss"], rel=0.05) for r in res["rows"])
     r = dmtd("train", "--run-dir", str(tmp_path / "b2"), *common, "--bench", "2")
     assert r.returncode == 2 and "--bench" in r.stderr and "--cache" in r.stderr
     r = dmtd("train", "--run-dir", str(tmp_path / "run"), *common, "--cache", "auto", "--max-steps", "2")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import lzma
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -128,3 +130,37 @@ def test_wide_prompts_are_thousands_varied_stable_and_start_with_v1():
     for needle in ("essay of about 400 words", "step-by-step guide", "Write a Rust function", "SQL query",
                    "unit tests", "Find and fix the bug", "numbered list", "Solve for x"):
         assert any(needle in x for x in text), needle
+
+
+def test_a_mirror_rebuilds_the_corpus_without_generating_and_refuses_a_bad_shard(tiny_dir: Path,
+                                                                                tiny_corpus_dir: Path,
+                                                                                tmp_path: Path):
+    loaded = load_model(tiny_dir, tokenizer=False)
+    engine = LLMEngine(loaded.model, None, DMTDConfig.plain(6, 1), EngineConfig(max_num_seqs=4, max_model_len=128),
+                       default_cycle_len=1, eos_token_ids=[])
+    prompts = tiny_prompts(12)
+    cfg = corpus_config(tiny_dir, prompts)
+    mirror = tmp_path / "mirror"
+    first = read_manifest(tiny_corpus_dir)
+    # a corpus made before it had a mirror: its shards go into the mirror when the command names one
+    shutil.copytree(tiny_corpus_dir, tmp_path / "made")
+    make_corpus(tmp_path / "made", engine, prompts, cfg, progress=False, mirror=mirror)
+    assert sorted(p.name for p in mirror.iterdir()) == ["corpus.json"] + [s.name + ".xz" for s in first.shards]
+    assert sum(p.stat().st_size for p in mirror.glob("*.xz")) < sum(
+        (tiny_corpus_dir / s.name).stat().st_size for s in first.shards)
+
+    calls = []
+    real = engine.generate
+    engine.generate = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    rebuilt = make_corpus(tmp_path / "new", engine, prompts, cfg, progress=False, mirror=mirror)
+    assert rebuilt.content_hash == first.content_hash and calls == []
+    for s in first.shards:
+        assert (tmp_path / "new" / s.name).read_bytes() == (tiny_corpus_dir / s.name).read_bytes()
+
+    bad = mirror / (first.shards[1].name + ".xz")
+    bad.write_bytes(lzma.compress(b'{"idx": 0}\n'))
+    with pytest.raises(CorpusError, match="does not match its SHA-256"):
+        make_corpus(tmp_path / "again", engine, prompts, cfg, progress=False, mirror=mirror)
+    with pytest.raises(CorpusError, match="different config.*max_new_tokens"):
+        make_corpus(tmp_path / "other", engine, prompts, corpus_config(tiny_dir, prompts, max_new_tokens=9),
+                    progress=False, mirror=mirror)

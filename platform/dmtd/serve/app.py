@@ -30,9 +30,10 @@ from dmtd.serve.openai_api import (
     usage_chunk,
 )
 from dmtd.serve.openai_models import openai_field, openai_text, parse_body
+from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
-from dmtd.serve.settings import drafts_setting, gateway_process_env, replica_process_env, stream_interval
+from dmtd.serve.settings import block_push, drafts_setting, gateway_process_env, replica_process_env, stream_interval
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import configure_json_logging
@@ -95,7 +96,7 @@ class Gateway:
         grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64, registry_url: str | None = None,
         telemetry: dict[str, Any] | None = None, replica_deployments: dict[str, str] | None = None,
         limits: dict[str, Any] | None = None, api_keys_file: str | None = None, tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
+        tls_key_file: str | None = None, block_push: str = "auto",
     ) -> None:
         bind_serve_internal_grpc()
         routes = {v["name"]: Route(v["name"], replicas[v["name"]], dict(v)) for v in variants}
@@ -103,8 +104,9 @@ class Gateway:
             configure_json_logging()
         self.telemetry = GatewayTelemetry(telemetry_settings(telemetry) if telemetry is not None
                                           else TelemetrySettings(metrics_port=None))
+        self.sink = await BlockSink(_sink_host(block_push, grpc_host)).start() if block_push != "off" else None
         self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight,
-                                self.telemetry, Limits(**(limits or {})))
+                                self.telemetry, Limits(**(limits or {})), self.sink)
         self.keys = ApiKeys.load(api_keys_file)
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
                                                               server_credentials(tls_cert_file, tls_key_file))
@@ -166,9 +168,12 @@ class Gateway:
             await asyncio.sleep(period_s if all_up else start_period_s)
 
     async def info(self) -> dict[str, Any]:
+        sink = self.sink
         return {"grpc_port": self.grpc_port, "inflight": self.core.inflight, "accepted": self.core.accepted,
                 "completed": self.core.completed, "variants": self.core.router.infos(),
-                "metrics_url": self.telemetry.metrics_url}
+                "metrics_url": self.telemetry.metrics_url,
+                "block_sink": None if sink is None else {"address": sink.address, "open": sink.num_open,
+                                                         "frames": sink.num_frames, "dropped": sink.num_dropped}}
 
     async def finished_spans(self, trace_id: str | None = None) -> list[dict[str, Any]]:
         """Finished spans held by the in-memory exporter (all, or one trace's)."""
@@ -299,6 +304,17 @@ class Gateway:
         yield "data: [DONE]\n\n"
 
 
+def _sink_host(setting: str, grpc_host: str) -> str:
+    """The block sink's listening address for a ``block_push`` setting (dmtd.serve.settings.block_push)."""
+    if setting != "auto":
+        return setting
+    if grpc_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1" if grpc_host != "::1" else "::1"
+    import ray
+
+    return str(ray.util.get_node_ip_address())  # what the replicas on other nodes reach this one by
+
+
 # Applied at import time, in every process: Serve rewrites the class's routes on this module's app object,
 # and replicas import this module afresh rather than unpickling the driver's rewritten app.
 GatewayIngress = serve.ingress(http_app)(Gateway)
@@ -318,8 +334,14 @@ def build_app(args: dict[str, Any]) -> Any:
     ``drafts`` (per variant or at top level): how the replicas' engines draft for exact requests, ``adaptive``
     (default) or ``fixed`` (up to τ − 1 a cycle, stopping at the gate).
 
-    ``stream_interval_ms`` (default 40; env ``DMTD_STREAM_INTERVAL_MS``): a replica streams a request's first
-    and last block at once, and in between at most one Ray item per interval, carrying every block ready.
+    ``block_push`` (default ``auto``; env ``DMTD_BLOCK_PUSH``): replicas push each block straight to a TCP sink
+    of the gateway's (dmtd.serve.push) instead of streaming it as an item of the Serve call; ``auto`` listens on
+    loopback when ``grpc_host`` is loopback, else on the gateway's node address; an IP address to listen on;
+    ``off``: blocks travel as Serve items, gathered by ``stream_interval_ms``.
+
+    ``stream_interval_ms`` (default 40; env ``DMTD_STREAM_INTERVAL_MS``; blocks that travel as Serve items): a
+    replica streams a request's first and last block at once, and in between at most one Ray item per interval,
+    carrying every block ready.
 
     ``omp_wait_policy`` (``PASSIVE`` / ``ACTIVE``; default: env ``DMTD_OMP_WAIT_POLICY``, else unset = OpenMP's
     own) is set in each replica's process. PASSIVE saves a CPU replica that shares its cores with other busy
@@ -340,6 +362,7 @@ def build_app(args: dict[str, Any]) -> Any:
     handles, infos, deployments = {}, [], {}
     limits = Limits(**(args.get("limits") or {}))  # refused here, at build time, when a limit is malformed
     stream_interval_ms = stream_interval(args)
+    push = block_push(args)
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
     telemetry.update(args.get("telemetry") or {})
     telemetry.setdefault("metrics_host", args.get("grpc_host", "127.0.0.1"))  # on Kubernetes: 0.0.0.0
@@ -378,4 +401,4 @@ def build_app(args: dict[str, Any]) -> Any:
     return gateway.bind(handles, infos, args.get("default"), args.get("grpc_host", "127.0.0.1"),
                         int(args.get("grpc_port", 9000)), int(args.get("max_inflight", 64)), args.get("registry_url"),
                         telemetry, deployments, limits.model_dump(), args.get("api_keys_file"),
-                        args.get("tls_cert_file"), args.get("tls_key_file"))
+                        args.get("tls_cert_file"), args.get("tls_key_file"), push)

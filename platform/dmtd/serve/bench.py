@@ -43,6 +43,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--block-push", default=None, metavar="auto|off|ADDRESS",
+                   help="replicas push blocks straight to a TCP sink of the gateway (default auto: on loopback when "
+                   "the gateway is); off: blocks travel as items of the Serve call, gathered by --stream-interval-ms")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="the started stack's stream interval (default: the server's, 40 ms; 0: every block alone)")
     p.add_argument("--json", dest="json_path", default=None)
@@ -155,7 +158,7 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         ns = argparse.Namespace(host="127.0.0.1", grpc_port=args.grpc_port or 19000, http_port=18000, registry=None,
                                 model=args.model, decoding_layers=args.decoding_layers, replicas=1,
                                 max_num_seqs=max(concurrency), itl_slo_ms=args.itl_slo_ms,
-                                stream_interval_ms=args.stream_interval_ms)
+                                stream_interval_ms=args.stream_interval_ms, block_push=args.block_push)
         info = start_stack(ns, args.variant or default_variant)
         target = info["grpc"]
     else:
@@ -225,9 +228,10 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
               "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
               "requests_per_worker": args.requests_per_worker, "rows": rows}
     if started:
-        from dmtd.serve.settings import stream_interval
+        from dmtd.serve.settings import block_push, stream_interval
 
         result["stream_interval_ms"] = stream_interval({"stream_interval_ms": args.stream_interval_ms})
+        result["block_push"] = block_push({"block_push": args.block_push})
     print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
     for r in rows:

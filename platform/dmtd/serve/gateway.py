@@ -10,6 +10,7 @@ cancellation propagation) and gives us the whole gRPC surface. See docs/architec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from dmtd.serve.auth import ApiKeys, AuthInterceptor
 from dmtd.serve.convert import rechunk, to_token_block, to_variant_info
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
+from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge, from_proto
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings
@@ -56,8 +58,10 @@ class GatewayCore:
     """Routing, admission (bounded in-flight), streaming and error mapping shared by gRPC and HTTP."""
 
     def __init__(self, router: Router, max_inflight: int, telemetry: GatewayTelemetry | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, sink: BlockSink | None = None, push_grace_s: float = 10.0) -> None:
         self.router, self.max_inflight = router, max_inflight
+        self.sink, self.push_grace_s = sink, push_grace_s
+        self._pumps: set[asyncio.Task[None]] = set()
         self.limits = limits or Limits()
         self.telemetry = telemetry or GatewayTelemetry(TelemetrySettings(metrics_port=None))
         self.inflight = 0
@@ -94,12 +98,16 @@ class GatewayCore:
         finished = False
         code, error = "CANCELLED", None
         gen: Any = None
+        token, queue = self.sink.open() if self.sink is not None else ("", None)
+        if queue is not None:
+            req.push_to, req.push_token = self.sink.address, token  # type: ignore[union-attr]
         try:
             req.sent_s = time.time()
             if req.arrival_s:
                 rt.stage("gateway_receive", max(0.0, (req.sent_s - req.arrival_s) * 1e3))
             gen = route.handle.options(stream=True).generate_batches.remote(req)
-            async for block in rechunk(self._cycles(gen, rt), min_tokens, flush_ms):
+            source = gen if queue is None else self._pushed(gen, queue)
+            async for block in rechunk(self._cycles(source, rt), min_tokens, flush_ms):
                 finished = bool(block.finish_reason)
                 rt.delivered(len(block.token_ids))
                 t = time.perf_counter()
@@ -114,8 +122,46 @@ class GatewayCore:
         finally:
             self.inflight -= 1
             rt.finish(code, error)
+            if token:
+                self.sink.close(token)  # type: ignore[union-attr]
             if not finished and gen is not None:
                 gen.cancel()
+
+    async def _pushed(self, gen: Any, queue: asyncio.Queue[Any]) -> AsyncIterator[list[Block]]:
+        """A pushed request's blocks: the sink's frames, merged with what the Serve call itself brings (its
+        errors, its end, blocks streamed through it when the replica cannot reach the sink). Blocks come in
+        order or the stream fails: a lost frame is an error, never a silent gap in the tokens."""
+        task = asyncio.get_running_loop().create_task(_pump(gen, queue))
+        self._pumps.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._pumps.discard)
+        next_index, call_ended, done = 0, False, False
+        try:
+            while True:
+                if call_ended:  # the replica has sent everything: its last frame is at most in flight
+                    try:
+                        item = await asyncio.wait_for(queue.get(), self.push_grace_s)
+                    except TimeoutError:
+                        raise ReplicaInternalError(f"the replica's stream ended at block {next_index} without "
+                                                   "its last block") from None
+                else:
+                    item = await queue.get()
+                if item is _CALL_ENDED:
+                    call_ended = True
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                for b in item:
+                    if b.block_index != next_index:
+                        raise ReplicaInternalError(f"block {next_index} of the stream was lost "
+                                                   f"(block {b.block_index} came next)")
+                    next_index += 1
+                yield item
+                if item and item[-1].finish_reason:
+                    done = True
+                    return
+        finally:
+            if not done:
+                task.cancel()
 
     @staticmethod
     async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[Block]:
@@ -151,6 +197,20 @@ class GatewayCore:
         error_id = uuid.uuid4().hex[:16]
         log.error("request failed [error id %s]", error_id, exc_info=raw)
         return GatewayError(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}) (error id {error_id})")
+
+
+_CALL_ENDED = object()
+
+
+async def _pump(gen: Any, queue: asyncio.Queue[Any]) -> None:
+    """Feed the Serve call's items, then its end or its error, into a pushed request's queue."""
+    try:
+        async for batch in gen:
+            queue.put_nowait(batch)
+    except Exception as e:
+        queue.put_nowait(e)
+    else:
+        queue.put_nowait(_CALL_ENDED)
 
 
 def decode(cls: type[Message], raw: bytes, max_bytes: int) -> Any:

@@ -40,6 +40,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafts", choices=("adaptive", "fixed"), default=None,
                    help="how replicas draft for exact requests: 'adaptive' (default: the count that pays, none "
                    "where none does) or 'fixed' (up to τ − 1 a cycle)")
+    p.add_argument("--block-push", default=None, metavar="auto|off|ADDRESS",
+                   help="replicas push blocks straight to a TCP sink of the gateway (default auto: on loopback when "
+                   "the gateway is); off: blocks travel as items of the Serve call, gathered by --stream-interval-ms")
     p.add_argument("--stream-interval-ms", type=float, default=None,
                    help="a replica gathers a request's blocks that are ready within this interval into one streamed "
                    "item; the first and the last block go at once (default 40; 0: every block on its own)")
@@ -168,7 +171,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
         "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
         "tls_cert_file": cert, "tls_key_file": key, "stream_interval_ms": getattr(args, "stream_interval_ms", None),
-        "drafts": getattr(args, "drafts", None),
+        "block_push": getattr(args, "block_push", None), "drafts": getattr(args, "drafts", None),
     })
 
     def start() -> None:

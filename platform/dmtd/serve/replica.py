@@ -20,6 +20,7 @@ from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.engine_loop import EngineLoop, engine_executor
 from dmtd.serve.errors import Overloaded, RequestFailed
+from dmtd.serve.push import BlockPusher, PushUnavailable
 from dmtd.serve.requests import InvalidRequest, Limits, check_types, validate
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.logs import configure_json_logging
@@ -50,6 +51,7 @@ class DMTDReplica:
         if not 0.0 <= float(stream_interval_ms) <= 1000.0:
             raise ValueError(f"stream_interval_ms: must be within 0..1000 ms, got {stream_interval_ms!r}")
         self.stream_interval_ms = float(stream_interval_ms)
+        self.pusher = BlockPusher()
         self.limits = Limits(**(limits or {}))  # the gateway's: a request it let through passes here too
         executor = engine_executor()  # the engine is built, and only ever run, on this one thread (engine_loop)
         engine, cfg = executor.submit(engine_factory).result()
@@ -100,9 +102,24 @@ class DMTDReplica:
 
     async def generate_batches(self, request: ReplicaRequest) -> AsyncIterator[list[Block]]:
         """The request's blocks in lists, at most one list per ``stream_interval_ms`` after the first (what the
-        gateway streams: one Ray item carries every block that became ready in the interval)."""
-        async with contextlib.aclosing(self._blocks(request, self.stream_interval_ms)) as batches:
+        gateway streams: one Ray item carries every block that became ready in the interval).
+
+        A request that names a block sink (``push_to``, ``push_token``: dmtd.serve.push) has each block pushed
+        there as soon as it is ready, and this stream yields nothing unless the sink cannot be reached: then
+        the rest of the blocks come as items here, as above. Errors are raised here either way."""
+        push = getattr(request, "push_to", "") or None
+        token = getattr(request, "push_token", "")
+        interval = self.stream_interval_ms if push is None else 0.0
+        async with contextlib.aclosing(self._blocks(request, interval)) as batches:
             async for batch in batches:
+                if push is not None:
+                    try:
+                        await self.pusher.push(push, token, batch)
+                        continue
+                    except PushUnavailable as e:
+                        log.warning("replica %s: %s; streaming request %s through Serve", self.name, e,
+                                    request.request_id)
+                        push = None
                 yield batch
 
     async def _blocks(self, request: ReplicaRequest, interval_ms: float) -> AsyncGenerator[list[Block], None]:

@@ -53,7 +53,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "prompt_token_ids": (list, type(None)), "max_new_tokens": (int,), "temperature": _NUM, "top_k": (int,),
     "top_p": _NUM, "seed": (int, type(None)), "stop": (list,), "stop_token_ids": (list,), "ignore_eos": (bool,),
     "tau_min": (int,), "tau_max": (int,), "min_confidence": (*_NUM, type(None)), "profile": (str,),
-    "arrival_s": _NUM, "traceparent": (str,), "sent_s": _NUM,
+    "arrival_s": _NUM, "traceparent": (str,), "sent_s": _NUM, "push_to": (str,), "push_token": (str,),
 }
 
 

@@ -71,6 +71,23 @@ def stream_interval(args: dict[str, Any]) -> float:
     return value
 
 
+def block_push(args: dict[str, Any]) -> str:
+    """Where the gateway's block sink listens, which replicas push blocks to (dmtd.serve.push): ``auto``
+    (default: loopback when the gRPC server listens on loopback, else the gateway's node address as Ray knows
+    it), a host address, or ``off`` (replicas stream blocks back as items of the Serve call)."""
+    raw = args.get("block_push", os.environ.get("DMTD_BLOCK_PUSH"))
+    text = "auto" if raw in (None, "") else str(raw).strip()
+    if text.lower() in ("auto", "off"):
+        return text.lower()
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        raise ValueError(f"block_push: must be 'auto', 'off' or an IP address to listen on, got {raw!r}") from None
+    return text
+
+
 def drafts_setting(value: Any) -> str:
     """How exact requests draft: ``adaptive`` (default: the count that pays, none where none does) or ``fixed``."""
     text = "adaptive" if value in (None, "") else str(value)

@@ -45,6 +45,9 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=96, help="records per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=24, help="sequences generated together")
     p.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    p.add_argument("--mirror", type=Path, default=None,
+                   help="directory of xz-compressed shards of the same corpus (e.g. in the repository): shards it "
+                   "holds are restored from it, hash-checked, instead of generated; new shards are added to it")
     p.add_argument("--snapshot-of", type=Path, default=None,
                    help="instead of generating: make --out a fixed corpus from the finished shards of this one")
     p.add_argument("--shards", type=int, default=None, help="with --snapshot-of: how many shards (default all)")
@@ -90,7 +93,7 @@ def run_data(args: argparse.Namespace) -> int:
     max_len = min(spec.loaded.config.max_position_embeddings, 2048)
     engine = build_engine(spec, EngineConfig(max_num_seqs=args.batch_size, max_model_len=max_len, device=device,
                                              dtype=args.dtype))
-    m = make_corpus(args.out, engine, prompts, cfg)
+    m = make_corpus(args.out, engine, prompts, cfg, mirror=args.mirror)
     print(f"corpus {args.out}: {sum(s.num_records for s in m.shards)} records, {m.num_tokens} tokens, "
           f"content hash {m.content_hash}")
     return 0

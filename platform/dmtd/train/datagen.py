@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,11 +96,60 @@ def _open_or_create(out: Path, cfg: CorpusConfig, num_planned: int) -> CorpusMan
     return m
 
 
+MIRROR_SUFFIX = ".xz"
+
+
+def _open_mirror(mirror: Path, cfg: CorpusConfig) -> CorpusManifest | None:
+    """The manifest of a mirror (xz-compressed shards of the same corpus), None when it is still empty."""
+    if not (mirror / CORPUS_MANIFEST).is_file():
+        if mirror.exists() and not mirror.is_dir():
+            raise CorpusError(f"mirror {str(mirror)!r} is not a directory")
+        return None
+    m = read_manifest(mirror)
+    if m.config.model_dump(exclude={"limit"}) != cfg.model_dump(exclude={"limit"}):
+        diff = [k for k, v in cfg.model_dump(exclude={"limit"}).items() if m.config.model_dump().get(k) != v]
+        raise CorpusError(f"mirror {str(mirror)!r} holds a corpus made with a different config ({', '.join(diff)})")
+    return m
+
+
+def _from_mirror(mirror: Path, mm: CorpusManifest | None, k: int) -> tuple[bytes, ShardInfo] | None:
+    """Shard ``k`` restored from the mirror, checked against the hash its manifest records."""
+    if mm is None or k >= len(mm.shards):
+        return None
+    info = mm.shards[k]
+    path = mirror / (info.name + MIRROR_SUFFIX)
+    try:
+        data = lzma.decompress(path.read_bytes())
+    except (OSError, lzma.LZMAError) as e:
+        raise CorpusError(f"mirror shard {str(path)!r} cannot be read ({e})") from e
+    if sha256_bytes(data) != info.sha256:
+        raise CorpusError(f"mirror shard {str(path)!r} does not match its SHA-256 in the mirror's manifest")
+    return data, info
+
+
+def _to_mirror(mirror: Path, m: CorpusManifest, data: bytes, k: int) -> None:
+    """Add shard ``k`` of ``m`` (its bytes ``data``) to the mirror; its manifest then lists shards 0..k."""
+    mirror.mkdir(parents=True, exist_ok=True)
+    info = m.shards[k]
+    write_atomic(mirror / (info.name + MIRROR_SUFFIX), lzma.compress(data, preset=9))
+    write_manifest(mirror, m.model_copy(update={"complete": False, "shards": m.shards[: k + 1]}))
+
+
+def _backfill_mirror(out: Path, mirror: Path, mm: CorpusManifest | None, m: CorpusManifest) -> None:
+    """Shards the corpus made before it had a mirror go into the mirror too."""
+    for k in range(len(mm.shards) if mm is not None else 0, len(m.shards)):
+        _to_mirror(mirror, m, (out / m.shards[k].name).read_bytes(), k)
+
+
 def make_corpus(out: Path, engine: LLMEngine, prompts: list[Prompt], cfg: CorpusConfig,
-                progress: bool = True, on_shard: Callable[[int], Any] | None = None) -> CorpusManifest:
+                progress: bool = True, on_shard: Callable[[int], Any] | None = None,
+                mirror: Path | None = None) -> CorpusManifest:
     """Generate (or resume) the corpus described by ``cfg`` into ``out``; returns the final manifest.
 
-    ``on_shard(k)`` is called after shard ``k`` is durably written (tests use it to interrupt).
+    ``on_shard(k)`` is called after shard ``k`` is durably written (tests use it to interrupt). With
+    ``mirror`` (a directory of xz-compressed shards and a manifest, small enough for a repository), shards
+    the mirror holds are restored from it instead of generated, after their hash is checked, and every newly
+    generated shard is added to it: the same command rebuilds a corpus on a new machine in seconds.
     """
     if len(prompts) != cfg.num_prompts:
         raise CorpusError(f"config says {cfg.num_prompts} prompts, got {len(prompts)}")
@@ -110,13 +160,29 @@ def make_corpus(out: Path, engine: LLMEngine, prompts: list[Prompt], cfg: Corpus
     bar = tqdm(total=len(plan), initial=done, unit="seq", desc="dmtd data", disable=not progress,
                dynamic_ncols=True)
     n_tok, t0 = 0, time.perf_counter()
+    mm = _open_mirror(Path(mirror), cfg) if mirror is not None else None
+    if mirror is not None:
+        _backfill_mirror(Path(out), Path(mirror), mm, m)
     for k in range(len(m.shards), len(chunks)):
+        restored = _from_mirror(Path(mirror), mm, k) if mirror is not None else None
+        if restored is not None:
+            data, info = restored
+            write_atomic(Path(out) / shard_name(k), data)
+            m.shards.append(info)
+            write_manifest(Path(out), m)
+            bar.update(info.num_records)
+            bar.set_postfix(tokens=m.num_tokens, restored=k + 1)
+            if on_shard is not None:
+                on_shard(k)
+            continue
         records = _complete(engine, prompts, chunks[k], cfg)
         data = "".join(r.to_json() + "\n" for r in records).encode()
         write_atomic(Path(out) / shard_name(k), data)
         m.shards.append(ShardInfo(name=shard_name(k), sha256=sha256_bytes(data), num_records=len(records),
                                   num_tokens=sum(r.num_tokens for r in records)))
         write_manifest(Path(out), m)
+        if mirror is not None:
+            _to_mirror(Path(mirror), m, data, k)
         n_tok += sum(len(r.completion_ids) for r in records)
         bar.update(len(records))
         bar.set_postfix(tokens=m.num_tokens, gen_tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}")

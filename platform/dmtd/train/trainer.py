@@ -190,13 +190,15 @@ class Trainer:
             g["lr"] = lr_at(step, cfg)
         self.opt.zero_grad(set_to_none=True)
         agg: dict[str, float] = {"loss": 0.0}
+        amp = cfg.compute_dtype == "bfloat16"
         for b, recs in zip(batches, records):
             teacher: torch.Tensor | TopKTargets
-            if self.cache is not None:  # the frozen trunk's states and the teacher's targets, precomputed
-                h_enc, h_think, teacher = self.cache.inputs(recs, b, self.loaded.model.embed_tokens)
-                ls = self.student.decode(h_enc, h_think, b.head_mask, b.loss_mask)
-            else:
-                ls, teacher = self.student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
+                if self.cache is not None:  # the frozen trunk's states and the teacher's targets, precomputed
+                    h_enc, h_think, teacher = self.cache.inputs(recs, b, self.loaded.model.embed_tokens)
+                    ls = self.student.decode(h_enc, h_think, b.head_mask, b.loss_mask)
+                else:
+                    ls, teacher = self.student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
             is_tail = ~b.head_mask[b.loss_mask]
             loss, stats = distill_loss(ls, teacher, b.targets[b.loss_mask], is_tail, cfg.kl_weight, cfg.ce_weight,
                                        cfg.head_weight, cfg.tail_weight, total)

@@ -1,0 +1,210 @@
+"""The block channel (dmtd.serve.push) without Ray: a real replica pushes to a real sink over loopback TCP, and
+the gateway's core merges the pushed frames with the call's own stream (errors, end, fallback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from typing import Any
+
+import grpc
+import msgpack
+import pytest
+
+from dmtd.serve.gateway import GatewayCore, GatewayError
+from dmtd.serve.push import BlockSink, decode_blocks, encode_frame
+from dmtd.serve.replica import DMTDReplica
+from dmtd.serve.routing import Route, Router
+from dmtd_contract.records import Block, ReplicaRequest, Usage
+from tests.serve.test_replica import collect, make_replica, req
+
+
+class _Call:
+    """What a Serve handle's streaming call looks like to the gateway: an async iterator with ``cancel()``."""
+
+    def __init__(self, agen: Any) -> None:
+        self.agen, self.cancelled = agen, False
+        self.pending: asyncio.Future[Any] | None = None
+
+    def __aiter__(self) -> _Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        self.pending = asyncio.ensure_future(self.agen.__anext__())
+        return await self.pending
+
+    def cancel(self) -> None:  # as Serve does: the replica's generator is cancelled where it waits
+        self.cancelled = True
+        if self.pending is not None:
+            self.pending.cancel()
+
+
+class LocalHandle:
+    """The replica's methods behind the handle API the gateway calls (``options(stream=True).m.remote``)."""
+
+    def __init__(self, replica: DMTDReplica, drop_block: int | None = None) -> None:
+        self.replica, self.drop_block = replica, drop_block
+        self.calls: list[_Call] = []
+
+    def options(self, **_: Any) -> LocalHandle:
+        return self
+
+    @property
+    def generate_batches(self) -> LocalHandle:
+        return self
+
+    def remote(self, request: ReplicaRequest) -> _Call:
+        call = _Call(self._batches(request))
+        self.calls.append(call)
+        return call
+
+    async def _batches(self, request: ReplicaRequest) -> Any:
+        pusher = self.replica.pusher
+        real = pusher.push
+
+        async def lossy(address: str, token: str, blocks: list[Block]) -> None:  # a frame lost on the way
+            kept = [b for b in blocks if b.block_index != self.drop_block]
+            if kept:
+                await real(address, token, kept)
+
+        if self.drop_block is not None:
+            pusher.push = lossy  # type: ignore[method-assign]
+        try:
+            async with contextlib.aclosing(self.replica.generate_batches(request)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            pusher.push = real  # type: ignore[method-assign]
+
+
+def test_a_frame_carries_blocks_and_their_usage_both_ways():
+    blocks = [Block("r", [5, 6], "ab", 0, 2, 3, 0.5, (0.4, 0.6, 0.9), 12.5),
+              Block("r", [7], "c", 1, 1, 3, finish_reason="length", usage=Usage(4, 3, 2, 1, 0, 0, 0), step_ms=3.0)]
+    frame = encode_frame("tok", blocks)
+    (n,) = struct.unpack(">I", frame[:4])
+    token, raw = msgpack.unpackb(frame[4:], raw=False)
+    assert n == len(frame) - 4 and token == "tok"
+    assert decode_blocks(raw) == blocks
+    raw[0]["a_field_from_a_newer_replica"] = 1
+    assert decode_blocks(raw)[0] == blocks[0]
+
+
+def _core(replica: DMTDReplica, sink: BlockSink | None, **handle_kw: Any) -> tuple[GatewayCore, LocalHandle]:
+    handle = LocalHandle(replica, **handle_kw)
+    return GatewayCore(Router({"v": Route("v", handle)}, "v"), 8, sink=sink, push_grace_s=2.0), handle
+
+
+async def _through(core: GatewayCore, r: ReplicaRequest) -> list[Block]:
+    return [b async for b in core.stream(core.admit("v"), r)]
+
+
+def test_pushed_blocks_equal_the_streamed_ones_and_nothing_travels_through_the_call():
+    async def scenario():
+        rep = make_replica()
+        direct = await collect(rep, req("direct", 24))
+        sink = await BlockSink("127.0.0.1").start()
+        core, handle = _core(rep, sink)
+        items: list[Any] = []
+        real = handle._batches
+
+        async def watched(request):
+            async for item in real(request):
+                items.append(item)
+                yield item
+
+        handle._batches = watched  # type: ignore[method-assign]
+        pushed = await asyncio.gather(*(_through(core, req(f"p{i}", 24)) for i in range(3)))
+        await asyncio.sleep(0.05)
+        await sink.stop()
+        return direct, pushed, items, sink, core
+
+    direct, pushed, items, sink, core = asyncio.run(scenario())
+    for blocks in pushed:
+        assert [t for b in blocks for t in b.token_ids] == [t for b in direct for t in b.token_ids]
+        assert [b.block_index for b in blocks] == list(range(len(blocks)))
+        assert blocks[-1].finish_reason == "length" and blocks[-1].usage.completion_tokens == 24
+    assert items == []  # every block came over the socket
+    assert sink.num_frames == sum(len(b) for b in pushed) and sink.num_open == 0 and sink.num_dropped == 0
+    assert core.completed == 3 and core.inflight == 0
+
+
+def test_a_replica_that_cannot_reach_the_sink_streams_through_the_call():
+    async def scenario():
+        rep = make_replica()
+        sink = BlockSink("127.0.0.1")
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            sink.port = s.getsockname()[1]
+        core, _ = _core(rep, sink)
+        return await _through(core, req("fallback", 20)), await collect(rep, req("direct", 20))
+
+    pushed, direct = asyncio.run(scenario())
+    assert [t for b in pushed for t in b.token_ids] == [t for b in direct for t in b.token_ids]
+    assert pushed[-1].finish_reason == "length"
+
+
+def test_errors_cancellation_and_lost_frames_on_the_pushed_path():
+    async def scenario():
+        rep = make_replica(max_num_seqs=2)
+        sink = await BlockSink("127.0.0.1").start()
+        core, handle = _core(rep, sink)
+        out: dict[str, Any] = {}
+        with pytest.raises(GatewayError) as bad:
+            await _through(core, req("bad", 20, top_p=7.0))
+        out["bad"] = bad.value
+        got = 0
+        stream = core.stream(core.admit("v"), req("victim", 200))
+        async for _ in stream:  # the client goes away after two blocks
+            got += 1
+            if got == 2:
+                break
+        await stream.aclose()
+        for _ in range(100):
+            if rep.loop.num_active == 0 and rep.loop.engine.scheduler.num_free_slots == 2:
+                break
+            await asyncio.sleep(0.01)
+        out["victim"] = got, rep.loop.num_active, rep.loop.engine.scheduler.num_free_slots, handle.calls[-1].cancelled
+        lossy, _ = _core(rep, sink, drop_block=2)
+        with pytest.raises(GatewayError) as lost:
+            await _through(lossy, req("lossy", 20))
+        out["lost"] = lost.value
+        out["after"] = await _through(core, req("after", 12))
+        out["open"] = sink.num_open
+        await sink.stop()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out["bad"].code == grpc.StatusCode.INVALID_ARGUMENT and out["bad"].field == "sampling.top_p"
+    assert out["victim"] == (2, 0, 2, True)
+    assert out["lost"].code == grpc.StatusCode.INTERNAL and "block 2 of the stream was lost" in str(out["lost"])
+    assert sum(b.k for b in out["after"]) == 12 and out["open"] == 0
+
+
+def test_the_sink_drops_strangers_and_malformed_frames_and_keeps_serving():
+    async def scenario():
+        sink = await BlockSink("127.0.0.1").start()
+        token, queue = sink.open()
+        _, w = await asyncio.open_connection("127.0.0.1", sink.port)
+        w.write(encode_frame("not-a-token", [Block("x", [1], k=1)]))
+        body = b"\x93not msgpack at all"
+        w.write(struct.pack(">I", len(body)) + body)
+        w.write(encode_frame(token, [Block("r", [9], k=1)]))
+        await w.drain()
+        got = await asyncio.wait_for(queue.get(), 5)
+        _, big = await asyncio.open_connection("127.0.0.1", sink.port)  # a frame over the limit: that peer only
+        big.write(struct.pack(">I", 1 << 30))
+        await big.drain()
+        await asyncio.sleep(0.05)
+        w.write(encode_frame(token, [Block("r", [10], block_index=1, k=1)]))
+        await w.drain()
+        again = await asyncio.wait_for(queue.get(), 5)
+        w.close()
+        big.close()
+        await sink.stop()
+        return got, again, sink.num_dropped
+
+    got, again, dropped = asyncio.run(scenario())
+    assert [b.token_ids for b in got] == [[9]] and [b.token_ids for b in again] == [[10]]
+    assert dropped == 2
