@@ -12,6 +12,7 @@ import torch
 from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
+from dmtd.engine.ops import AMX_MIN_ROWS, NEVER
 from dmtd.engine.sequence import SamplingParams
 from tests.conftest import tiny_model
 
@@ -49,10 +50,11 @@ def test_kernel_equals_the_dense_product_of_the_packed_weight(fmt, rows):
     w = torch.randn(70, 128)  # 70 output rows: not a multiple of the kernel's row chunk
     p = lowbit.pack(w, fmt)
     x = torch.randn(rows, 128)
-    ref = x @ lowbit.unpack(p).t()
+    amx = fmt == "bf16" and rows >= AMX_MIN_ROWS  # torch's AMX matmul: activations and output rounded to bf16
+    ref = (x.to(torch.bfloat16).float() if amx else x) @ lowbit.unpack(p).t()
     y = p.project(x)
     assert y.shape == (rows, 70) and y.dtype == torch.float32
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, ref, rtol=8e-3 if amx else 1e-4, atol=1e-4)
     yb = p.project(x.to(torch.bfloat16).view(rows, 1, 128))  # bf16 activations, any leading shape
     assert yb.dtype == torch.bfloat16 and yb.shape == (rows, 1, 70)
     refb = x.to(torch.bfloat16).float() @ lowbit.unpack(p).t()
@@ -61,13 +63,22 @@ def test_kernel_equals_the_dense_product_of_the_packed_weight(fmt, rows):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
-    """Up to 8 rows share one weight pass row by row: batching never changes a row's result (exactness)."""
+    """Up to 8 rows share one weight pass row by row: batching never changes a row's result (exactness), below
+    the rows from which bf16 products go to AMX (dmtd.engine.ops.AMX_MIN_ROWS, 12 or never)."""
     torch.manual_seed(1)
     p = lowbit.pack(torch.randn(64, 96), fmt)
     x = torch.randn(6, 96)
     together = p.project(x)
     for i in range(6):
         assert torch.equal(p.project(x[i: i + 1])[0], together[i])
+
+
+def test_bf16_products_of_many_rows_take_amx_where_the_cpu_has_it():
+    assert (12 if "amx_bf16" in lowbit.cpu_flags() else NEVER) == AMX_MIN_ROWS
+    env = {**os.environ, "DMTD_AMX_MIN_ROWS": "0"}
+    out = subprocess.run([sys.executable, "-c", "from dmtd.engine.ops import AMX_MIN_ROWS, NEVER; "
+                          "print(AMX_MIN_ROWS == NEVER)"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
 
 
 def test_bad_shapes_and_formats_are_refused_with_the_rule():

@@ -21,10 +21,14 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: int, mode: int) -> torch.Tensor:  # noqa: UP006, UP045
-    """``x @ w`` for a dense input-major weight (mode 0), else the packed weight's kernel with scales ``s[i]``."""
+def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: int, mode: int,  # noqa: UP006, UP045
+         amx_rows: int) -> torch.Tensor:
+    """``x @ w`` for a dense input-major weight (mode 0), else the packed weight's kernel with scales ``s[i]``
+    (bf16 products of ``amx_rows`` rows or more: torch's matmul on AMX, dmtd.engine.ops.AMX_MIN_ROWS)."""
     if mode == 0 or s is None:
         return torch.mm(x, w)
+    if mode == 1 and x.size(0) >= amx_rows:
+        return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
     return torch.ops.dmtd.linear(x, w, s[i], mode)
 
 
@@ -41,6 +45,7 @@ def _decode_layers(
     mode: int = 0,  # 0: dense input-major weights; else packed (dmtd.engine.lowbit) with these scales:
     s_qkv: Optional[List[torch.Tensor]] = None, s_o: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
     s_gu: Optional[List[torch.Tensor]] = None, s_down: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
+    amx_rows: int = 1 << 62,
 ) -> torch.Tensor:
     B = h.shape[0]
     g = nh // nkv
@@ -53,7 +58,7 @@ def _decode_layers(
     s0 = slot_lo
     p0 = read_len - 1
     for i in range(len(ln1)):
-        y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode)
+        y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode, amx_rows)
         if qkv_bias is not None:
             y = y + qkv_bias[i]
         y = y.view(B, nh + 2 * nkv, hd)
@@ -88,9 +93,9 @@ def _decode_layers(
         if mask is not None:
             s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
         a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd).to(h.dtype)
-        h = h + _lin(a, o[i], s_o, i, mode)
-        gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)
-        h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode)
+        h = h + _lin(a, o[i], s_o, i, mode, amx_rows)
+        gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode, amx_rows)
+        h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode, amx_rows)
     return h
 
 

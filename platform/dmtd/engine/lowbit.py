@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 import dmtd.engine.ops  # noqa: F401 — defines the dmtd::linear schema
 from dmtd.engine.config import ConfigError
+from dmtd.engine.ops import AMX_MIN_ROWS
 
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
@@ -105,6 +107,8 @@ class PackedWeight:
         return MODES[self.fmt]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "bf16" and x.numel() >= AMX_MIN_ROWS * self.in_features:  # dmtd.engine.ops
+            return F.linear(x.to(torch.bfloat16), self.data).to(x.dtype)
         if not _loaded:
             load_kernels()
         return torch.ops.dmtd.linear(x, self.data, self.scales, self.mode)

@@ -18,6 +18,7 @@ from torch import nn
 
 from dmtd.engine.config import ConfigError, DMTDConfig, ModelConfig
 from dmtd.engine.decode_kernel import decode_layers
+from dmtd.engine.ops import AMX_MIN_ROWS
 from dmtd.engine.rope import apply_rope, rope_tables
 
 
@@ -256,6 +257,7 @@ class Transformer(nn.Module):
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
             mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
+            AMX_MIN_ROWS,
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 
