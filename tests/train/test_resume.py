@@ -76,3 +76,24 @@ def test_init_from_starts_a_new_run_from_trained_weights(tiny_dir: Path, tiny_co
     with pytest.raises(CheckpointError, match="lacks"):
         Trainer(train_config(tiny_dir, tiny_corpus_dir, num_decoding_layers=3,
                              init_from=str(tmp_path / "a" / "ckpt-000002.pt")), tmp_path / "c", progress=False)
+
+
+def test_init_from_an_exported_variant_directory(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
+    """A run on a new machine goes on from the variant in the repository: its tensors, adapter merged."""
+    from dmtd.train.export import export_variant
+
+    first = Trainer(train_config(tiny_dir, tiny_corpus_dir, max_steps=2), tmp_path / "a", progress=False)
+    first.run()
+    out = tmp_path / "variant"
+    export_variant(first.student, first.cfg, out, first.fingerprint, first.corpus.content_hash)
+    cont = Trainer(train_config(tiny_dir, tiny_corpus_dir, max_steps=2, init_from=str(out)), tmp_path / "b",
+                   progress=False)
+    assert cont.state.step == 0
+    for n, p in cont.params.items():
+        torch.testing.assert_close(p, first.params[n], rtol=0, atol=1e-6)
+    with pytest.raises(CheckpointError, match="D=2; this run has E=0, D=3"):
+        Trainer(train_config(tiny_dir, tiny_corpus_dir, num_decoding_layers=3, init_from=str(out)), tmp_path / "c",
+                progress=False)
+    (out / "variant.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="--init-from"):
+        Trainer(train_config(tiny_dir, tiny_corpus_dir, init_from=str(out)), tmp_path / "d", progress=False)

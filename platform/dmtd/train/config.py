@@ -60,8 +60,9 @@ class TrainConfig(BaseModel):
     cache: str | None = Field(None, description="teacher cache directory made by `dmtd cache` (or 'auto': the "
                               "corpus's default one): train from the cached trunk states and top-k teacher "
                               "targets; needs a frozen trunk (scope decoding)")
-    init_from: str | None = Field(None, description="start from the trained tensors of this checkpoint "
-                                  "(e.g. to continue a run on a grown corpus); optimizer and step start fresh")
+    init_from: str | None = Field(None, description="start from the trained tensors of this checkpoint, or of "
+                                  "an exported variant directory (e.g. the shipped one: a run on a new machine "
+                                  "goes on from it); optimizer and step start fresh")
     device: str | None = Field(None, description="'cpu', 'cuda', … (None = cuda when present); exact resume "
                                "holds on the same device")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch's default)")

@@ -162,18 +162,40 @@ class Trainer:
                                 float(ckpt.get("elapsed_s", 0.0)), dict(ckpt.get("last", {})))
 
     def _init_from(self, path: Path) -> None:
-        src = load_checkpoint(path)
-        if src["base_fingerprint"] != self.fingerprint:
+        if path.is_dir() or path.suffix == ".json":  # an exported variant (e.g. the shipped one, in the repo)
+            trainable, fingerprint = self._variant_tensors(path), self.fingerprint
+        else:
+            src = load_checkpoint(path)
+            trainable, fingerprint = src["trainable"], src["base_fingerprint"]
+        if fingerprint != self.fingerprint:
             raise CheckpointError(f"--init-from {path}: trained from another base model")
-        missing = sorted(set(self.params) - set(src["trainable"]))
+        missing = sorted(set(self.params) - set(trainable))
         if missing:
             raise CheckpointError(f"--init-from {path}: lacks {len(missing)} of this run's trainable tensors "
                                   f"(first: {missing[0]}); was it trained with another scope or split?")
         with torch.no_grad():
             for n, p in self.params.items():
-                if src["trainable"][n].shape != p.shape:
+                if trainable[n].shape != p.shape:
                     raise CheckpointError(f"--init-from {path}: tensor {n} has another shape")
-                p.copy_(src["trainable"][n])
+                p.copy_(trainable[n])
+
+    def _variant_tensors(self, path: Path) -> dict[str, torch.Tensor]:
+        """The tensors of a variant directory merged over the base model (its adapter applied), by name."""
+        from dmtd.variants.build import apply_variant_weights
+        from dmtd.variants.manifest import ManifestError, read_manifest
+
+        try:
+            manifest = read_manifest(path)
+            if manifest.num_decoding_layers != self.cfg.num_decoding_layers or \
+                    manifest.num_encoding_layers != self.cfg.num_encoding_layers:
+                raise CheckpointError(f"--init-from {path}: a variant with E={manifest.num_encoding_layers}, "
+                                      f"D={manifest.num_decoding_layers}; this run has E={self.cfg.num_encoding_layers}"
+                                      f", D={self.cfg.num_decoding_layers}")
+            loaded = load_model(self.cfg.base_model, device=str(self.device), tokenizer=False)
+            apply_variant_weights(loaded, manifest, path if path.is_dir() else path.parent)
+        except ManifestError as e:
+            raise CheckpointError(f"--init-from {path}: {e}") from e
+        return {n: p.detach() for n, p in loaded.model.named_parameters()}
 
     # -- the loop ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
