@@ -169,7 +169,8 @@ class Gateway:
 
     async def info(self) -> dict[str, Any]:
         sink = self.sink
-        return {"grpc_port": self.grpc_port, "inflight": self.core.inflight, "accepted": self.core.accepted,
+        return {"grpc_port": self.grpc_port, "pid": os.getpid(), "inflight": self.core.inflight,
+                "accepted": self.core.accepted,
                 "completed": self.core.completed, "variants": self.core.router.infos(),
                 "metrics_url": self.telemetry.metrics_url,
                 "block_sink": None if sink is None else {"address": sink.address, "open": sink.num_open,
