@@ -159,6 +159,8 @@ def test_cli_cache_bench_and_curve(tiny_dir: Path, tiny_corpus_dir: Path, tmp_pa
              "--eval-records", "2")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "run" / "curve.png").is_file()
+    evals = [d for d in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines()) if "eval" in d]
+    assert [d["step"] for d in evals] == [0, 2, 4] and all(0 <= v <= 1 for d in evals for v in d["eval"].values())
     r = dmtd("train", "--run-dir", str(tmp_path / "run"), "--plot", str(tmp_path / "c.png"))
     assert r.returncode == 0 and (tmp_path / "c.png").stat().st_size > 1000
     r = dmtd("data", "--out", str(tmp_path / "snap"), "--snapshot-of", str(corpus), "--shards", "2")

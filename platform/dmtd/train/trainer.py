@@ -244,6 +244,9 @@ class Trainer:
                    disable=not self.progress, dynamic_ncols=True)
         log = self._open_log()
         try:
+            if cfg.eval_every and st.step == 0 and end > 0:  # where the curve starts: the floor, or --init-from's
+                log.write(json.dumps({"step": 0, "tokens_seen": 0, "eval": self.heldout_agreement()}) + "\n")
+                log.flush()
             while st.step < end:
                 t0 = time.perf_counter()
                 stats = self.train_step(st.step)
