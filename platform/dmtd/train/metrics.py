@@ -84,6 +84,26 @@ def distill_loss(logits_s: torch.Tensor, teacher: torch.Tensor | TopKTargets, ta
     return loss / total_weight, stats
 
 
+def distill_loss_fused(h: torch.Tensor, head: torch.Tensor, teacher: TopKTargets, targets: torch.Tensor,
+                       is_tail: torch.Tensor, kl_weight: float, ce_weight: float, head_weight: float,
+                       tail_weight: float, total_weight: float, compute_dtype: torch.dtype = torch.float32
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`distill_loss` for cached top-k targets from the final hidden states ``h`` [N, H] and the frozen
+    head ``head`` [V, H], without materialising the logits (:mod:`dmtd.train.fused_loss`)."""
+    from dmtd.train.fused_loss import head_topk_loss
+
+    w = torch.where(is_tail, tail_weight, head_weight).float() / total_weight
+    loss, kl, ce, pred = head_topk_loss(h, head, teacher.ids, teacher.logp, teacher.log_rest, targets,
+                                        w * kl_weight, w * ce_weight, compute_dtype)
+    stats: dict[str, float] = {"ce": float(ce.mean())}
+    if kl_weight:
+        stats["kl"] = float(kl.mean())
+    agree = pred == teacher.top1
+    stats["tail_agree"] = float(agree[is_tail].float().mean()) if bool(is_tail.any()) else math.nan
+    stats["head_agree"] = float(agree[~is_tail].float().mean()) if bool((~is_tail).any()) else math.nan
+    return loss, stats
+
+
 def batch_weight(batch: Batch, head_weight: float, tail_weight: float) -> float:
     sel_heads = batch.head_mask[batch.loss_mask]
     return float((~sel_heads).sum()) * tail_weight + float(sel_heads.sum()) * head_weight

@@ -120,6 +120,21 @@ class DMTDStudent(nn.Module):
         h = run(ws or self.student_ws(), m, x, d.decoding_start, m.config.num_layers, cos, sin)
         return m.logits(h if select is None else h[select])
 
+    def decode_hidden(self, h_enc: torch.Tensor, h_think: torch.Tensor, head_mask: torch.Tensor,
+                      select: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`decode` up to the final norm: the hidden states the head reads [N, H] (with grad)."""
+        m, d = self.model, self.dmtd
+        cos, sin = m.rope(torch.arange(h_enc.shape[1], device=h_enc.device).unsqueeze(0))
+        x = route_decoding_input(h_enc, h_think, head_mask, d.head_input)
+        h = run(self.student_ws(), m, x, d.decoding_start, m.config.num_layers, cos, sin)
+        return m.norm.forward(h if select is None else h[select])
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The frozen lm_head as [V, H] (the tied embeddings, or the untied head's transpose)."""
+        m = self.model
+        return m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight.t()
+
     def forward_pair(self, input_ids: torch.Tensor, head_mask: torch.Tensor,
                      select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Student logits under DMTD routing (with grad) and base-model logits (no grad).

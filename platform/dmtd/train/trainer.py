@@ -23,7 +23,7 @@ from dmtd.train.checkpoint import CheckpointError, latest_checkpoint, load_check
 from dmtd.train.config import RESUMABLE_CHANGES, TrainConfig
 from dmtd.train.corpus import Corpus, CorpusError, load_corpus
 from dmtd.train.lora import LoRAAdapters, parse_layers
-from dmtd.train.metrics import TopKTargets, batch_weight, distill_loss, teacher_forced
+from dmtd.train.metrics import TopKTargets, batch_weight, distill_loss, distill_loss_fused, teacher_forced
 from dmtd.train.plots import plot_curve
 from dmtd.train.student import DMTDStudent
 from dmtd.variants.loader import LoadedModel, load_model
@@ -215,15 +215,21 @@ class Trainer:
         amp = cfg.compute_dtype == "bfloat16"
         for b, recs in zip(batches, records):
             teacher: torch.Tensor | TopKTargets
+            is_tail = ~b.head_mask[b.loss_mask]
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
                 if self.cache is not None:  # the frozen trunk's states and the teacher's targets, precomputed
                     h_enc, h_think, teacher = self.cache.inputs(recs, b, self.loaded.model.embed_tokens)
-                    ls = self.student.decode(h_enc, h_think, b.head_mask, b.loss_mask)
+                    h = self.student.decode_hidden(h_enc, h_think, b.head_mask, b.loss_mask)
                 else:
                     ls, teacher = self.student.forward_pair(b.input_ids, b.head_mask, b.loss_mask)
-            is_tail = ~b.head_mask[b.loss_mask]
-            loss, stats = distill_loss(ls, teacher, b.targets[b.loss_mask], is_tail, cfg.kl_weight, cfg.ce_weight,
-                                       cfg.head_weight, cfg.tail_weight, total)
+            if isinstance(teacher, TopKTargets):  # head and loss fused, chunk by chunk (dmtd.train.fused_loss)
+                loss, stats = distill_loss_fused(h, self.student.head_weight, teacher, b.targets[b.loss_mask],
+                                                 is_tail, cfg.kl_weight, cfg.ce_weight, cfg.head_weight,
+                                                 cfg.tail_weight, total,
+                                                 torch.bfloat16 if amp else torch.float32)
+            else:
+                loss, stats = distill_loss(ls, teacher, b.targets[b.loss_mask], is_tail, cfg.kl_weight,
+                                           cfg.ce_weight, cfg.head_weight, cfg.tail_weight, total)
             loss.backward()
             agg["loss"] += float(loss.detach())
             for key, v in stats.items():
