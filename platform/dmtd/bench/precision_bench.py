@@ -144,8 +144,25 @@ def llama_cpp_model(threads: int, n_ctx: int) -> Any:
     except ImportError as e:
         raise ConfigError("--llama-cpp needs llama-cpp-python: run `make bench-deps` (builds it once for this "
                           "CPU, ~15 minutes)") from e
-    return Llama(model_path=str(smollm2_gguf()), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                 n_batch=512, verbose=False)
+    import llama_cpp.llama_cpp as lib
+
+    # No extra buffer types (ggml's weight repacking, AMX among them): on a CPU with AMX, ggml's AMX matmul
+    # crashed (SIGSEGV in ggml_backend_amx_mul_mat) when it ran on the OpenMP pool that torch's libgomp had
+    # already started in this process; standalone it ran. Batch-1 decoding is a matrix-vector product, which
+    # AMX tiles do not speed up.
+    default_params = lib.llama_model_default_params
+
+    def plain_params() -> Any:
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = plain_params
+    try:
+        return Llama(model_path=str(smollm2_gguf()), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                     n_batch=512, verbose=False)
+    finally:
+        lib.llama_model_default_params = default_params
 
 
 def llama_generate(llm: Any, ids: list[int], n: int) -> list[int]:
