@@ -191,7 +191,9 @@ def test_streaming_refusals_are_real_status_codes(stack, heartbeat):
 
 
 def test_temperature_below_the_floor_is_greedy(stack):
-    base = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8}
+    # τ pinned: the tests before this one load the replica (heartbeat), and its controller may still hold a
+    # raised τ under that pressure, which changes the untrained variant's tokens whatever the temperature
+    base = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "tau_min": 1, "tau_max": 1}
     greedy = post(stack, "/v1/chat/completions", {**base, "temperature": 0}).json()
     tiny = post(stack, "/v1/chat/completions", {**base, "temperature": 1e-37}).json()
     assert tiny["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
