@@ -4,14 +4,8 @@
 #   bash scripts/quiet.sh .venv/bin/dmtd bench serve --compare-engine ...
 # Only python processes running those commands are paused, never this script, its parents or the command.
 set -uo pipefail
-pids=""
-for pid in $(pgrep -f 'python[0-9.]* [^ ]*dmtd (data|cache|train) '); do
-  cmd=$(tr "\\0" " " < /proc/$pid/cmdline 2>/dev/null)
-  case "$cmd" in
-    *python*dmtd\ data\ *|*python*dmtd\ cache\ *|*python*dmtd\ train\ *) pids="$pids $pid" ;;
-  esac
-done
+pids=$(pgrep -f 'python[0-9.]* [^ ]*dmtd (data|cache|train) ' | tr '\n' ' ')
 resume() { [ -n "$pids" ] && kill -CONT $pids 2>/dev/null; true; }
 trap resume EXIT INT TERM
-[ -n "$pids" ] && kill -STOP $pids && echo "quiet.sh: paused$pids" >&2
+[ -n "$pids" ] && kill -STOP $pids && echo "quiet.sh: paused $pids" >&2
 "$@"

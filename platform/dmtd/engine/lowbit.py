@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import dmtd.engine.ops  # noqa: F401 — defines the dmtd::linear schema
 from dmtd.engine.config import ConfigError
-from dmtd.engine.ops import AMX_MIN_ROWS
+from dmtd.engine.ops import AMX_MIN_ROWS, cpu_flags
 
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
@@ -160,15 +160,6 @@ def unpack(p: PackedWeight) -> torch.Tensor:
     b = p.data.view(N, K // GROUP, GROUP // 2)
     q = torch.cat((b & 0xF, b >> 4), -1).float()
     return (q * p.scales[..., :1] + p.scales[..., 1:]).view(N, K)
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -15,21 +15,26 @@ _LIB = torch.library.Library("dmtd", "DEF")
 _LIB.define("linear(Tensor x, Tensor w, Tensor s, int mode) -> Tensor")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 def _amx_min_rows() -> int:
     """From how many rows a bf16 product goes to torch's own matmul (oneDNN, which tiles it on AMX) instead of
-    the bf16 kernel: 12 on a CPU with AMX-BF16, where torch's matmul measured 1.5x faster at 12 rows, 2.5x at
-    32 and 11x at 512 (a 576 x 1536 weight; the kernel streams the weight once per block of rows and wins at
-    1-8 rows); never elsewhere (without AMX, small bf16 products ran slower than float32). Its activations
-    are rounded to bf16 too. ``DMTD_AMX_MIN_ROWS`` overrides (0: never)."""
+    the bf16 kernel: 12 on a CPU with AMX-BF16, where torch's matmul measured 1.2x faster at 12 rows, 2.3-2.7x
+    at 32 and ~8x at 512 (scripts/bench_amx_rows.py; the kernel streams the weight once per block of rows and
+    wins at 1-8 rows); never elsewhere (without AMX, small bf16 products ran slower than float32). Its
+    activations and output are rounded to bf16. ``DMTD_AMX_MIN_ROWS`` overrides (0: never)."""
     env = os.environ.get("DMTD_AMX_MIN_ROWS", "").strip()
     if env:
         return int(env) if int(env) > 0 else NEVER
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return 12 if "amx_bf16" in flags else NEVER
+    return 12 if "amx_bf16" in cpu_flags() else NEVER
 
 
 NEVER = 1 << 62

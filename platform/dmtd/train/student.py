@@ -114,20 +114,21 @@ class DMTDStudent(nn.Module):
         """Student logits from the decoding layers' inputs under DMTD routing (with grad); ``select`` as in
         :meth:`forward_pair`; ``ws`` the student's layer weights when already gathered. With a frozen
         trunk these inputs can come from a cache."""
-        m, d = self.model, self.dmtd
-        cos, sin = m.rope(torch.arange(h_enc.shape[1], device=h_enc.device).unsqueeze(0))
-        x = route_decoding_input(h_enc, h_think, head_mask, d.head_input)
-        h = run(ws or self.student_ws(), m, x, d.decoding_start, m.config.num_layers, cos, sin)
-        return m.logits(h if select is None else h[select])
+        h = self._decoding_layers(h_enc, h_think, head_mask, ws)
+        return self.model.logits(h if select is None else h[select])
 
     def decode_hidden(self, h_enc: torch.Tensor, h_think: torch.Tensor, head_mask: torch.Tensor,
                       select: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode` up to the final norm: the hidden states the head reads [N, H] (with grad)."""
+        h = self._decoding_layers(h_enc, h_think, head_mask)
+        return self.model.norm.forward(h if select is None else h[select])
+
+    def _decoding_layers(self, h_enc: torch.Tensor, h_think: torch.Tensor, head_mask: torch.Tensor,
+                         ws: list[LayerWeights] | None = None) -> torch.Tensor:
         m, d = self.model, self.dmtd
         cos, sin = m.rope(torch.arange(h_enc.shape[1], device=h_enc.device).unsqueeze(0))
         x = route_decoding_input(h_enc, h_think, head_mask, d.head_input)
-        h = run(self.student_ws(), m, x, d.decoding_start, m.config.num_layers, cos, sin)
-        return m.norm.forward(h if select is None else h[select])
+        return run(ws or self.student_ws(), m, x, d.decoding_start, m.config.num_layers, cos, sin)
 
     @property
     def head_weight(self) -> torch.Tensor:
