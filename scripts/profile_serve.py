@@ -6,6 +6,11 @@ samples sit: the top leaf frames (self time) and the top frames anywhere on the 
 
     .venv/bin/python scripts/profile_serve.py --concurrency 16 --policy tau1 --seconds 20 --out artifacts/pyspy
     .venv/bin/python scripts/profile_serve.py --summarize artifacts/pyspy/replica.txt   # a raw file again
+    .venv/bin/python scripts/profile_serve.py --cpu-only --seconds 20   # CPU per process only, no py-spy
+
+Every run also prints the CPU each process of the stack used over the sampling window (its share of one
+core, from /proc; the engine, the gateway, Ray's own daemons, the load generator), since on two cores
+every daemon's share is taken from the engine.
 
 Needs py-spy (the dev extra) and ptrace rights over the stack's processes (root, or ptrace_scope 0). With
 ``--gil``, only samples holding the GIL count (what contends for the interpreter); ``--idle`` keeps idle
@@ -80,6 +85,42 @@ def summarize(path: Path, top: int = 18) -> str:
     return "\n".join(out)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def process_label(cmd: str) -> str:
+    """A short, stable name for one process of the stack."""
+    head = cmd.split()[0] if cmd.split() else "?"
+    if head.startswith("ray::"):
+        return head
+    for part in cmd.split():
+        base = os.path.basename(part)
+        if base.endswith((".py", "_server", "raylet", "redis-server")) or base in ("dmtd",):
+            return base
+    return os.path.basename(head)
+
+
+def cpu_by_process(root: int, seconds: float) -> list[tuple[str, float]]:
+    """Each process under ``root`` (and ``root``): the share of one core it used over ``seconds``."""
+    procs = [(root, "load generator (dmtd bench serve)"), *descendants(root)]
+    before = {pid: cpu_seconds(pid) for pid, _ in procs}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    shares: collections.Counter[str] = collections.Counter()
+    for pid, cmd in procs:
+        label = cmd if pid == root else process_label(cmd)
+        shares[label] += max(0.0, cpu_seconds(pid) - before[pid]) / wall
+    return shares.most_common()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -93,6 +134,7 @@ def main() -> int:
     ap.add_argument("--idle", action="store_true")
     ap.add_argument("--native", action="store_true")
     ap.add_argument("--out", default="artifacts/pyspy")
+    ap.add_argument("--cpu-only", action="store_true", help="only the CPU per process, without py-spy")
     ap.add_argument("--summarize", nargs="*", default=None, help="only print the summaries of these raw files")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: more `dmtd bench serve` arguments")
     args = ap.parse_args()
@@ -122,9 +164,11 @@ def main() -> int:
         time.sleep(args.warmup)
         flags = ["--nonblocking", "-r", str(args.rate), "-d", str(int(args.seconds)), "-f", "raw", "-t"]
         flags += ["--gil"] * args.gil + ["--idle"] * args.idle + ["--native"] * args.native
-        spies = {role: subprocess.Popen([spy, "record", *flags, "-p", str(pid), "-o", str(out / f"{role}.txt")],
-                                        stdout=(out / f"{role}.log").open("w"), stderr=subprocess.STDOUT)
-                 for role, pid in roles.items()}
+        spies = {} if args.cpu_only else {
+            role: subprocess.Popen([spy, "record", *flags, "-p", str(pid), "-o", str(out / f"{role}.txt")],
+                                   stdout=(out / f"{role}.log").open("w"), stderr=subprocess.STDOUT)
+            for role, pid in roles.items()}
+        shares = cpu_by_process(bench.pid, args.seconds)
         for p in spies.values():
             p.wait()
         bench.wait()
@@ -132,6 +176,11 @@ def main() -> int:
         if bench.poll() is None:
             bench.terminate()
     print(f"pids: {roles}")
+    print(f"CPU over {args.seconds} s (share of one core; py-spy's own sampling adds to the sampled ones):")
+    for label, share in shares:
+        if share >= 0.005:
+            print(f"  {share:6.1%}  {label}")
+    print(f"  {sum(s for _, s in shares):6.1%}  all")
     for role in roles:
         f = out / f"{role}.txt"
         if f.exists():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dmtd.serve.binding import HOST_ENV
+from dmtd.serve.local import prepare_environment, stop_log_monitor
 from dmtd.serve.netns import isolate_network
 
 VARIANT = "smol-d8"
@@ -65,14 +64,14 @@ def start_registry(workdir) -> tuple[object, str]:
 def stack(tmp_path_factory):
     isolate_network()  # first: Redis and Ray below must live on this namespace's loopback
     redis_proc, registry_url = start_registry(tmp_path_factory.mktemp("serve-redis"))
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault(HOST_ENV, "127.0.0.1")  # as dmtd serve: Serve's per-replica gRPC server on loopback
+    prepare_environment(60.0)  # as dmtd serve: Serve's gRPC on loopback, Ray's bookkeeping off, ...
     import ray
     from ray import serve
 
     from dmtd.serve.app import build_app
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="dmtd-tests")
+    stop_log_monitor()
     http_port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     app = build_app({

@@ -6,7 +6,14 @@ import argparse
 
 import pytest
 
-from dmtd.serve.local import READY_ENV, StartupError, add_serve_args, prepare_environment, start_with_retry
+from dmtd.serve.local import (
+    LEAN_RAY_ENV,
+    READY_ENV,
+    StartupError,
+    add_serve_args,
+    prepare_environment,
+    start_with_retry,
+)
 
 
 def test_a_failed_start_is_retried_then_named_in_one_line():
@@ -45,3 +52,33 @@ def test_readiness_waits_are_sized_for_a_loaded_node_and_configurable():
     prepare_environment(30, env)  # an operator's own setting wins
     assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "120" and env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
     assert env["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "30"
+
+
+def test_ray_bookkeeping_is_off_unless_asked_for():
+    env: dict[str, str] = {}
+    prepare_environment(60, env)
+    assert env["RAY_enable_metrics_collection"] == "0" and env["RAY_enable_task_events"] == "0"
+    assert all(env[k] == v for k, v in LEAN_RAY_ENV.items())
+    env = {"DMTD_RAY_BOOKKEEPING": "1"}
+    prepare_environment(60, env)
+    assert not set(LEAN_RAY_ENV) & set(env)
+    env = {"RAY_enable_metrics_collection": "1"}  # an operator's own setting wins here too
+    prepare_environment(60, env)
+    assert env["RAY_enable_metrics_collection"] == "1" and env["RAY_enable_task_events"] == "0"
+
+
+def test_the_stack_runs_without_rays_log_monitor_and_still_serves(stack):
+    import psutil
+    from ray._private import worker as ray_worker
+
+    from dmtd.client import DMTDClient
+
+    node = ray_worker._global_node
+    assert node is not None and not node.all_processes.get("log_monitor")
+    procs = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if p.is_running()]
+    assert any("gcs_server" in c for c in procs)  # the node is there (so the search below looked)
+    assert not any("log_monitor.py" in c for c in procs)
+    with DMTDClient(stack.grpc_target) as c:
+        blocks = list(c.generate(messages=[{"role": "user", "content": "Say hi."}], max_new_tokens=6,
+                                 tau_min=1, tau_max=1, ignore_eos=True))
+    assert sum(len(b.token_ids) for b in blocks) == 6 and blocks[-1].usage.completion_tokens == 6

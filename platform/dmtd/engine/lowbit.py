@@ -49,13 +49,17 @@ class KernelUnavailable(ConfigError):
 
 
 def _build_dir() -> Path:
+    """One build directory per kernel source, CPU, torch version and torch installation: the compile command
+    names the installation's include paths, so two virtual environments sharing one directory would each
+    see the other's build as stale and recompile it (30-40 s, under a file lock) at every start."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()
+                         + str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:16]
     root = Path(os.environ.get("DMTD_CACHE", Path.home() / ".cache" / "dmtd"))
     return root / "kernels" / f"lowbit-{key}"
 

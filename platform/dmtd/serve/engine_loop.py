@@ -54,7 +54,6 @@ class _Live:
     t_admit_wall: float = 0.0
     t_last: float = 0.0
     cycles_cut: int = 0
-    prompt_ids: list[int] = field(default_factory=list)
     step_ms: float = 0.0  # engine steps this request ran in since its last block
     step_cpu_ms: float = 0.0  # the engine thread's CPU time in those steps
     ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
@@ -137,8 +136,7 @@ class EngineLoop:
             tel.on_arrival(req.request_id, req.traceparent, attrs)
         self._ensure_task()
         try:
-            live.prompt_ids = await self._encode(req)
-            self._adds.append(req.request_id)
+            self._adds.append(req.request_id)  # tokenised on the engine's thread, right before it is added
             self._wake.set()
             interval_s, last_sent = max(0.0, stream_interval_ms) / 1e3, None
             while True:
@@ -172,12 +170,14 @@ class EngineLoop:
             if tel is not None:
                 tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
 
-    async def _encode(self, req: ReplicaRequest) -> list[int]:
-        """The prompt's token ids, computed on the engine's thread (off the event loop, between steps)."""
+    def _encode(self, req: ReplicaRequest) -> list[int]:
+        """The prompt's token ids, on the engine's thread in the same job as the request's admission: a job of
+        its own queued behind the running step, so the request missed the next step too (one step more of
+        TTFT, and its slot idle for that step, under load)."""
         name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
         prompt: Any = req.messages or req.prompt_token_ids or req.prompt
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.encode, prompt)
+            return self.engine.encode(prompt)
         except RequestError as e:
             raise RequestFailed(e.field, str(e)) from e
         except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
@@ -238,7 +238,9 @@ class EngineLoop:
 
     def _reject(self, rid: str, error: BaseException) -> None:
         """End a request its admission refused: the input's fault (``RequestFailed``) or ours (internal)."""
-        if isinstance(error, RequestError):
+        if isinstance(error, (RequestFailed, ReplicaInternalError)):  # already typed (tokenising the prompt)
+            self._fail(rid, error)
+        elif isinstance(error, RequestError):
             self._fail(rid, RequestFailed(error.field, str(error)))
         elif isinstance(error, (ValueError, TypeError, OverflowError)):  # a field of the wrong type or range
             self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
@@ -257,7 +259,7 @@ class EngineLoop:
             if live is None:  # cancelled since it was queued
                 continue
             try:
-                self.engine.add_request(live.prompt_ids, params, req_id=rid)
+                self.engine.add_request(self._encode(live.req), params, req_id=rid)
                 added.append((rid, None, time.time()))
             except Exception as e:
                 added.append((rid, e, time.time()))

@@ -16,6 +16,18 @@ from dmtd.serve.binding import HOST_ENV
 
 READY_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 
+# Ray's own bookkeeping that nothing of ours reads, off on the node ``dmtd serve`` starts (the stack exports
+# its own metrics and traces; Serve's routing and autoscaling use neither): each took CPU from the cores the
+# replica decodes on (under load at N = 16 on 2 cores, Ray's processes used 17% of a core with them, 13%
+# without; scripts/profile_serve.py --cpu-only). ``DMTD_RAY_BOOKKEEPING=1`` keeps Ray's defaults.
+LEAN_RAY_ENV = {
+    "RAY_enable_metrics_collection": "0",  # Ray's Prometheus metrics, exported by every process every 10 s
+    "RAY_enable_task_events": "0",  # per-task state events to the GCS (the dashboard's task table)
+    "RAY_event_stats": "0",  # event-loop statistics in every Ray C++ component
+    "REPORTER_UPDATE_INTERVAL_MS": "30000",  # the dashboard agent's psutil sweep of the node (default 5 s)
+}
+BOOKKEEPING_ENV = "DMTD_RAY_BOOKKEEPING"
+
 
 class StartupError(RuntimeError):
     """The stack did not come up; the message names what did not."""
@@ -132,14 +144,37 @@ def prepare_environment(ready_timeout_s: float, env: MutableMapping[str, str] | 
     """Before ``ray.init`` (Ray's processes inherit it): Serve's proxy readiness and health waits sized for a
     loaded node (its default 5 s killed the proxy while a compiler kept both cores busy), Serve's per-replica
     gRPC server on loopback (``dmtd.serve.binding``), and Serve's control loop every 0.5 s instead of 0.1 s
-    (at 0.1 s the controller alone took 3% of a core, on the cores the replica decodes on). Values already
-    set win."""
+    (at 0.1 s the controller alone took 3% of a core, on the cores the replica decodes on), and Ray's own
+    bookkeeping off (``LEAN_RAY_ENV``) unless ``DMTD_RAY_BOOKKEEPING=1``. Values already set win."""
     target: MutableMapping[str, str] = os.environ if env is None else env
     target.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if target.get(BOOKKEEPING_ENV, "") in ("", "0"):
+        for var, value in LEAN_RAY_ENV.items():
+            target.setdefault(var, value)
     target.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     for var in READY_ENV:
         target.setdefault(var, str(ready_timeout_s))
     target.setdefault(HOST_ENV, "127.0.0.1")
+
+
+def stop_log_monitor() -> bool:
+    """Stop the log monitor of the Ray node this process started: it tails every worker's log files to
+    forward them to drivers, which ``log_to_driver=False`` never reads (2% of a core under load). The logs stay
+    in Ray's session directory. False where there is none to stop (a node started elsewhere, bookkeeping kept)."""
+    if os.environ.get(BOOKKEEPING_ENV, "") not in ("", "0"):
+        return False
+    try:
+        from ray._private import ray_constants  # Ray has no public switch; ``ray start`` has one
+        from ray._private import worker as ray_worker
+
+        node = ray_worker._global_node
+        if node is None or not node.head or not node.all_processes.get(ray_constants.PROCESS_TYPE_LOG_MONITOR):
+            return False
+        node.kill_log_monitor(check_alive=False)
+        return True
+    except Exception as e:  # noqa: BLE001 — an internal API: if it moved, the monitor keeps running
+        print(f"dmtd serve: Ray's log monitor keeps running ({type(e).__name__}: {e})", file=sys.stderr)
+        return False
 
 
 def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
@@ -154,6 +189,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False, _node_ip_address="127.0.0.1")  # Ray's own servers on loopback
+    stop_log_monitor()
     cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
     http_options: dict[str, Any] = {"host": args.host, "port": args.http_port}
     if cert or key:
