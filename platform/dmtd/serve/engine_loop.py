@@ -1,8 +1,11 @@
 """The replica's engine loop: admissions, steps, block dispatch, the controller's τ and gate.
 
-Only the loop task touches the engine, between steps; each step (with the admissions before it) and each
-prompt's tokenisation runs in a one-thread executor so the event loop keeps serving while the model
-computes. One request's failure ends that request only; a supervisor restarts the loop if it ever ends.
+Only the engine's thread touches the engine: each job on a one-thread executor runs the aborts, the
+controller's τ and gate, the admissions (each prompt tokenised right before it is added), one step, and
+reads what dispatching that step's blocks needs. The loop task sends the next job as soon as a step returns
+and dispatches the step's blocks while the next one runs, so the event loop keeps serving while the model
+computes and the model does not wait for the event loop. One request's failure ends that request only; a
+supervisor restarts the loop if it ever ends.
 
 Every torch call of the replica runs on that one executor thread, the engine's construction included
 (``DMTDReplica`` builds it there). OpenMP gives each thread that opens a parallel region a pool of its own;
@@ -60,6 +63,38 @@ class _Live:
     last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
 
 
+@dataclass
+class _SeqInfo:
+    """What dispatching a step's output needs of its sequence, read on the engine's thread after the step."""
+    min_confidence: float
+    cycles_cut: int
+    drafted: int
+    accepted: int
+    exact: bool
+
+
+@dataclass
+class _Job:
+    """One engine-thread job: aborts, the controller's τ and gate for the live requests, admissions, a step."""
+    aborts: list[str]
+    admissions: list[tuple[str, int, float, SamplingParams]]
+    requests: dict[str, ReplicaRequest]  # of the admissions
+    taus: dict[str, tuple[int, bool]]  # live request → its τ, and whether its gate is pinned
+    min_confidence: float
+
+
+@dataclass
+class _Done:
+    """A job's result, handed back to the event loop."""
+    added: list[tuple[str, BaseException | None, float, int]]  # request, its error, wall time, prompt tokens
+    outputs: list[StepOutput] | None  # None: no step ran
+    cpu_s: float
+    seqs: dict[str, _SeqInfo]
+    num_waiting: int
+    num_running: int
+    unfinished: bool
+
+
 class EngineLoop:
     """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
 
@@ -71,6 +106,12 @@ class EngineLoop:
         self.live: dict[str, _Live] = {}
         self._adds: list[str] = []
         self._aborts: set[str] = set()
+        self._decision_due = True  # the controller's τ and gate go to every live request with the next job
+        self._unfinished = False  # the engine had unfinished requests after the last job
+        self._load = (0, 0)  # the engine's waiting and running requests after the last job
+        # the job on the engine's thread (its future, itself, when it was sent): kept here, not in the loop
+        # task, so that a restarted loop collects the step that was running when the old one ended
+        self._pending: tuple[asyncio.Future[_Done], _Job, float] | None = None
         self._wake = asyncio.Event()
         self._executor = executor or engine_executor()
         self._task: asyncio.Task[None] | None = None
@@ -248,39 +289,73 @@ class EngineLoop:
         else:
             self._fail(rid, self._internal(rid, "admission failed", error))
 
-    def _engine_work(self, admissions: list[tuple[str, int, float, SamplingParams]]
-                     ) -> tuple[list[tuple[str, BaseException | None, float]], list[StepOutput] | None, float]:
-        """On the engine's thread: add the admitted requests, then run one step if any request is unfinished.
-        Returns each admission's error (None: added) and wall time, the step's outputs (None: no step) and the
-        CPU seconds this thread spent in it. An exception of the step itself propagates."""
-        added: list[tuple[str, BaseException | None, float]] = []
-        for rid, _tau, _conf, params in admissions:
-            live = self.live.get(rid)
-            if live is None:  # cancelled since it was queued
+    def _engine_work(self, job: _Job) -> _Done:
+        """On the engine's thread: aborts, the controller's τ and gate, admissions (each prompt tokenised right
+        before it is added), then one step if any request is unfinished; what dispatching the step's outputs
+        needs of their sequences is read here, and finished sequences are released, so the event loop never
+        touches the engine while the next job runs. An exception of the step itself propagates."""
+        e = self.engine
+        for rid in job.aborts:
+            e.abort(rid)
+            e.release(rid)
+        for rid, (tau, pinned) in job.taus.items():
+            seq = e.seqs.get(rid)
+            if seq is None:
                 continue
+            if seq.cycle_len != tau:
+                e.set_cycle_len(rid, tau)
+            if not pinned:
+                seq.params.min_confidence = job.min_confidence
+        added: list[tuple[str, BaseException | None, float, int]] = []
+        for rid, _tau, _conf, params in job.admissions:
             try:
-                self.engine.add_request(self._encode(live.req), params, req_id=rid)
-                added.append((rid, None, time.time()))
-            except Exception as e:
-                added.append((rid, e, time.time()))
-        if not self.engine.has_unfinished():
-            return added, None, 0.0
-        cpu0 = time.thread_time()
-        outputs = self.engine.step()
-        return added, outputs, time.thread_time() - cpu0
+                e.add_request(self._encode(job.requests[rid]), params, req_id=rid)
+                added.append((rid, None, time.time(), e.seqs[rid].prompt_len))
+            except Exception as err:
+                added.append((rid, err, time.time(), 0))
+        outputs, cpu_s, info = None, 0.0, {}
+        if e.has_unfinished():
+            cpu0 = time.thread_time()
+            outputs = e.step()
+            cpu_s = time.thread_time() - cpu0
+            for o in outputs:
+                seq = e.seqs.get(o.req_id)
+                if seq is not None and (o.block or o.finished):
+                    info[o.req_id] = _SeqInfo(seq.params.min_confidence, seq.num_cycles_cut, seq.num_drafted,
+                                              seq.num_accepted, seq.params.exact)
+            for o in outputs:
+                if o.finished:
+                    e.release(o.req_id)
+        return _Done(added, outputs, cpu_s, info, e.num_waiting, e.num_running, e.has_unfinished())
+
+    def _next_job(self) -> _Job | None:
+        """The next job from what the event loop has gathered; None when there is nothing to do."""
+        aborts, self._aborts = list(self._aborts), set()
+        adds, self._adds = self._adds, []
+        admissions = [a for a in map(self._params, adds) if a is not None]
+        taus: dict[str, tuple[int, bool]] = {}
+        d = self.controller.decision
+        if self._decision_due:
+            self._decision_due = False
+            admitted = {a[0] for a in admissions}
+            taus = {rid: (max(lv.tau_lo, min(lv.tau_hi, d.tau)), lv.fixed_confidence)
+                    for rid, lv in self.live.items() if rid not in admitted}
+        if not aborts and not admissions and not taus and not self._unfinished:
+            return None
+        return _Job(aborts, admissions, {a[0]: self.live[a[0]].req for a in admissions}, taus, d.min_confidence)
 
     def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
-                  t_perf: float) -> None:
+                  t_perf: float, prompt_tokens: int) -> None:
         """Bookkeeping of one admission, back on the loop thread."""
         live = self.live.get(rid)
         if error is not None:
             self._reject(rid, error)
             return
-        if live is None:  # cancelled while it was being added: the next iteration aborts it
+        if live is None:  # cancelled while it was being added: the next job aborts it
             self._aborts.add(rid)
             return
         r = live.req
-        live.prompt_tokens = self.engine.seqs[rid].prompt_len
+        live.prompt_tokens = prompt_tokens
         reached, live.t_admit_wall = live.t_admit_wall, t_wall
         live.t_admit = live.t_last = t_perf
         if self.telemetry is not None:
@@ -289,43 +364,53 @@ class EngineLoop:
                                     max(0.0, (live.t_admit_wall - reached) * 1e3))
 
     async def _run(self) -> None:
+        """Jobs back to back on the engine's thread. As soon as a step returns, the next job (with what has
+        arrived meanwhile) goes to the engine's thread, and this step's blocks are dispatched while it runs:
+        the engine does not wait for the event loop between steps (vLLM's async scheduling does the same).
+        The controller's τ and gate reach the requests one job later than they would otherwise."""
         loop = asyncio.get_running_loop()
         while True:
-            for rid in self._aborts:
-                self.engine.abort(rid)
-                self.engine.release(rid)
-            self._aborts.clear()
-            adds, self._adds = self._adds, []
-            admissions = [a for a in map(self._params, adds) if a is not None]
-            if not admissions and not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t_step = time.perf_counter()
+            if self._pending is None:
+                job = self._next_job()
+                if job is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                self._pending = (loop.run_in_executor(self._executor, self._engine_work, job), job,
+                                 time.perf_counter())
+            fut, job, t_step = self._pending
             try:
-                added, outputs, cpu_s = await loop.run_in_executor(self._executor, self._engine_work, admissions)
+                done = await fut
             except Exception as e:  # an engine bug must not hang every stream
+                self._pending, self._unfinished = None, False
                 for rid in list(self.live):
                     self._fail(rid, self._internal(rid, "engine step failed", e))
                 continue
+            self._pending = None
             now = time.perf_counter()
-            terms = {a[0]: a for a in admissions}
-            for rid, error, t_wall in added:
+            self._unfinished, self._load = done.unfinished, (done.num_waiting, done.num_running)
+            terms = {a[0]: a for a in job.admissions}
+            for rid, error, t_wall, prompt_tokens in done.added:
                 _, tau, conf, _ = terms[rid]
-                self._admitted(rid, tau, conf, error, t_wall, t_step)
-            if outputs is None:
+                self._admitted(rid, tau, conf, error, t_wall, t_step, prompt_tokens)
+            if self._unfinished or self._adds:  # the next step runs while this one's blocks go out
+                nxt = self._next_job()
+                if nxt is not None:
+                    self._pending = (loop.run_in_executor(self._executor, self._engine_work, nxt), nxt,
+                                     time.perf_counter())
+            if done.outputs is None:
                 continue
             self.num_steps += 1
             step_ms = (now - t_step) * 1e3
-            for rid in {o.req_id for o in outputs}:
+            for rid in {o.req_id for o in done.outputs}:
                 if (lv := self.live.get(rid)) is not None:
                     lv.step_ms += step_ms
-                    lv.step_cpu_ms += cpu_s * 1e3
+                    lv.step_cpu_ms += done.cpu_s * 1e3
             if self.telemetry is not None:
-                self._observe_step(outputs, now - t_step)
-            for o in outputs:
+                self._observe_step(done.outputs, now - t_step)
+            for o in done.outputs:
                 try:
-                    self._dispatch(o, now)
+                    self._dispatch(o, now, done.seqs.get(o.req_id))
                 except Exception as e:
                     self._fail(o.req_id, self._internal(o.req_id, "delivering a block failed", e))
             self._apply_controller()
@@ -337,7 +422,7 @@ class EngineLoop:
         heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
         self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
 
-    def _dispatch(self, o: StepOutput, now: float) -> None:
+    def _dispatch(self, o: StepOutput, now: float, seq: _SeqInfo | None) -> None:
         live = self.live.get(o.req_id)
         if live is None:
             return
@@ -354,8 +439,7 @@ class EngineLoop:
             self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
         block = Block(
             request_id=o.req_id, token_ids=tokens, text="".join(live.text), block_index=live.block_index,
-            k=len(tokens), tau=o.cycle_len, min_confidence=self.engine.seqs[o.req_id].params.min_confidence
-            if o.req_id in self.engine.seqs else 0.0,
+            k=len(tokens), tau=o.cycle_len, min_confidence=seq.min_confidence if seq is not None else 0.0,
             confidence=(min(confs), sum(confs) / len(confs), max(confs)),
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
@@ -364,10 +448,9 @@ class EngineLoop:
         )
         live.text, live.t_last, live.step_ms, live.step_cpu_ms = [], now, 0.0, 0.0
         live.block_index += 1
-        seq = self.engine.seqs.get(o.req_id)
         if self.telemetry is not None:
-            cut = seq is not None and seq.num_cycles_cut > live.cycles_cut
-            live.cycles_cut = seq.num_cycles_cut if seq is not None else live.cycles_cut
+            cut = seq is not None and seq.cycles_cut > live.cycles_cut
+            live.cycles_cut = seq.cycles_cut if seq is not None else live.cycles_cut
             self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block.block_index, cut, min(confs),
                                     interval_ms)
             self.telemetry.on_checked(o.num_drafted, o.num_accepted)
@@ -376,13 +459,12 @@ class EngineLoop:
             block.error = o.error
             block.usage = Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.num_tokens,
                                 blocks=live.block_index, heads=live.num_heads,
-                                cycles_cut=seq.num_cycles_cut if seq else 0,
-                                drafted_tokens=seq.num_drafted if seq else 0,
-                                accepted_tokens=seq.num_accepted if seq else 0)
-            if seq is not None and seq.params.exact:
+                                cycles_cut=seq.cycles_cut if seq else 0,
+                                drafted_tokens=seq.drafted if seq else 0,
+                                accepted_tokens=seq.accepted if seq else 0)
+            if seq is not None and seq.exact:
                 block.verifier = self.engine.verifier_name
-            self.engine.release(o.req_id)
-            self.live.pop(o.req_id, None)
+            self.live.pop(o.req_id, None)  # the engine's thread released it after the step
             if self.telemetry is not None:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
         live.ready.append(now)
@@ -391,21 +473,15 @@ class EngineLoop:
             live.last.set()
 
     def _apply_controller(self) -> None:
-        self.controller.observe_load(self.engine.num_waiting + len(self._adds), self.engine.num_running)
+        self.controller.observe_load(self._load[0] + len(self._adds), self._load[1])
         self.apply_decision()
 
     def apply_decision(self) -> None:
-        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate."""
-        d = self.controller.decision
-        for rid, live in self.live.items():
-            seq = self.engine.seqs.get(rid)
-            if seq is None:
-                continue
-            tau = max(live.tau_lo, min(live.tau_hi, d.tau))
-            if seq.cycle_len != tau:
-                self.engine.set_cycle_len(rid, tau)
-            if not live.fixed_confidence:
-                seq.params.min_confidence = d.min_confidence
+        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate: with
+        the next engine-thread job (the engine is never touched from the event loop while a step runs)."""
+        self._decision_due = True
+        if self.live:
+            self._wake.set()
 
     def reconfigure(self, cfg: ControllerConfig) -> None:
         self.controller.reconfigure(cfg)
