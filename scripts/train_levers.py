@@ -21,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-# name: (E, D, extra `dmtd train` arguments). The reference arm is "d8"; each other arm changes one thing.
+# name: (E, D, extra `dmtd train` arguments). The reference arm is "d8"; each other arm changes one thing. A name
+# is also the run's variant name (lever-<name>), so it keeps to lowercase letters, digits, '.', '_' and '-'.
 ARMS: dict[str, tuple[int, int, list[str]]] = {
     "d8": (0, 8, []),
-    "d8-kl+ce": (0, 8, ["--ce-weight", "0.5"]),
+    "d8-kl-ce": (0, 8, ["--ce-weight", "0.5"]),
     "d8-tau4-fixed": (0, 8, ["--tau-min", "4", "--tau-max", "4"]),
     "d8-lr1e-3": (0, 8, ["--lr", "1e-3"]),
     "d8-lr-flat": (0, 8, ["--min-lr-ratio", "1.0"]),
