@@ -29,6 +29,7 @@ from typing import Any
 from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
+from dmtd.serve.engine_job import Done, Job, SeqInfo, run_job
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 from dmtd_contract.records import Block, ReplicaRequest, Usage
@@ -63,38 +64,6 @@ class _Live:
     last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
 
 
-@dataclass
-class _SeqInfo:
-    """What dispatching a step's output needs of its sequence, read on the engine's thread after the step."""
-    min_confidence: float
-    cycles_cut: int
-    drafted: int
-    accepted: int
-    exact: bool
-
-
-@dataclass
-class _Job:
-    """One engine-thread job: aborts, the controller's τ and gate for the live requests, admissions, a step."""
-    aborts: list[str]
-    admissions: list[tuple[str, int, float, SamplingParams]]
-    requests: dict[str, ReplicaRequest]  # of the admissions
-    taus: dict[str, tuple[int, bool]]  # live request → its τ, and whether its gate is pinned
-    min_confidence: float
-
-
-@dataclass
-class _Done:
-    """A job's result, handed back to the event loop."""
-    added: list[tuple[str, BaseException | None, float, int]]  # request, its error, wall time, prompt tokens
-    outputs: list[StepOutput] | None  # None: no step ran
-    cpu_s: float
-    seqs: dict[str, _SeqInfo]
-    num_waiting: int
-    num_running: int
-    unfinished: bool
-
-
 class EngineLoop:
     """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
 
@@ -111,7 +80,7 @@ class EngineLoop:
         self._load = (0, 0)  # the engine's waiting and running requests after the last job
         # the job on the engine's thread (its future, itself, when it was sent): kept here, not in the loop
         # task, so that a restarted loop collects the step that was running when the old one ended
-        self._pending: tuple[asyncio.Future[_Done], _Job, float] | None = None
+        self._pending: tuple[asyncio.Future[Done], Job, float] | None = None
         self._wake = asyncio.Event()
         self._executor = executor or engine_executor()
         self._task: asyncio.Task[None] | None = None
@@ -289,46 +258,10 @@ class EngineLoop:
         else:
             self._fail(rid, self._internal(rid, "admission failed", error))
 
-    def _engine_work(self, job: _Job) -> _Done:
-        """On the engine's thread: aborts, the controller's τ and gate, admissions (each prompt tokenised right
-        before it is added), then one step if any request is unfinished; what dispatching the step's outputs
-        needs of their sequences is read here, and finished sequences are released, so the event loop never
-        touches the engine while the next job runs. An exception of the step itself propagates."""
-        e = self.engine
-        for rid in job.aborts:
-            e.abort(rid)
-            e.release(rid)
-        for rid, (tau, pinned) in job.taus.items():
-            seq = e.seqs.get(rid)
-            if seq is None:
-                continue
-            if seq.cycle_len != tau:
-                e.set_cycle_len(rid, tau)
-            if not pinned:
-                seq.params.min_confidence = job.min_confidence
-        added: list[tuple[str, BaseException | None, float, int]] = []
-        for rid, _tau, _conf, params in job.admissions:
-            try:
-                e.add_request(self._encode(job.requests[rid]), params, req_id=rid)
-                added.append((rid, None, time.time(), e.seqs[rid].prompt_len))
-            except Exception as err:
-                added.append((rid, err, time.time(), 0))
-        outputs, cpu_s, info = None, 0.0, {}
-        if e.has_unfinished():
-            cpu0 = time.thread_time()
-            outputs = e.step()
-            cpu_s = time.thread_time() - cpu0
-            for o in outputs:
-                seq = e.seqs.get(o.req_id)
-                if seq is not None and (o.block or o.finished):
-                    info[o.req_id] = _SeqInfo(seq.params.min_confidence, seq.num_cycles_cut, seq.num_drafted,
-                                              seq.num_accepted, seq.params.exact)
-            for o in outputs:
-                if o.finished:
-                    e.release(o.req_id)
-        return _Done(added, outputs, cpu_s, info, e.num_waiting, e.num_running, e.has_unfinished())
+    def _engine_work(self, job: Job) -> Done:
+        return run_job(self.engine, job, self._encode)
 
-    def _next_job(self) -> _Job | None:
+    def _next_job(self) -> Job | None:
         """The next job from what the event loop has gathered; None when there is nothing to do."""
         aborts, self._aborts = list(self._aborts), set()
         adds, self._adds = self._adds, []
@@ -342,7 +275,7 @@ class EngineLoop:
                     for rid, lv in self.live.items() if rid not in admitted}
         if not aborts and not admissions and not taus and not self._unfinished:
             return None
-        return _Job(aborts, admissions, {a[0]: self.live[a[0]].req for a in admissions}, taus, d.min_confidence)
+        return Job(aborts, admissions, {a[0]: self.live[a[0]].req for a in admissions}, taus, d.min_confidence)
 
     def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
                   t_perf: float, prompt_tokens: int) -> None:
@@ -422,7 +355,7 @@ class EngineLoop:
         heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
         self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
 
-    def _dispatch(self, o: StepOutput, now: float, seq: _SeqInfo | None) -> None:
+    def _dispatch(self, o: StepOutput, now: float, seq: SeqInfo | None) -> None:
         live = self.live.get(o.req_id)
         if live is None:
             return

@@ -1,0 +1,87 @@
+"""One job on a replica's engine thread (``engine_loop.EngineLoop`` sends them back to back): the aborts, the
+controller's τ and gate for the live requests, the admissions (each prompt tokenised right before it is added),
+one step, and what dispatching the step's blocks needs of each sequence, read before finished ones are
+released. Only this code touches the engine; the event loop sees the records below."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dmtd.engine.llm import LLMEngine, StepOutput
+from dmtd.engine.sequence import SamplingParams
+from dmtd_contract.records import ReplicaRequest
+
+
+@dataclass
+class SeqInfo:
+    """What dispatching a step's output needs of its sequence, read on the engine's thread after the step."""
+    min_confidence: float
+    cycles_cut: int
+    drafted: int
+    accepted: int
+    exact: bool
+
+
+@dataclass
+class Job:
+    """One engine-thread job: aborts, the controller's τ and gate for the live requests, admissions, a step."""
+    aborts: list[str]
+    admissions: list[tuple[str, int, float, SamplingParams]]
+    requests: dict[str, ReplicaRequest]  # of the admissions
+    taus: dict[str, tuple[int, bool]]  # live request → its τ, and whether its gate is pinned
+    min_confidence: float
+
+
+@dataclass
+class Done:
+    """A job's result, handed back to the event loop."""
+    added: list[tuple[str, BaseException | None, float, int]]  # request, its error, wall time, prompt tokens
+    outputs: list[StepOutput] | None  # None: no step ran
+    cpu_s: float
+    seqs: dict[str, SeqInfo]
+    num_waiting: int
+    num_running: int
+    unfinished: bool
+
+
+def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list[int]]) -> Done:
+    """On the engine's thread: aborts, the controller's τ and gate, admissions (each prompt tokenised right
+    before it is added), then one step if any request is unfinished; what dispatching the step's outputs
+    needs of their sequences is read here, and finished sequences are released, so the event loop never
+    touches the engine while the next job runs. An exception of the step itself propagates."""
+    e = engine
+    for rid in job.aborts:
+        e.abort(rid)
+        e.release(rid)
+    for rid, (tau, pinned) in job.taus.items():
+        seq = e.seqs.get(rid)
+        if seq is None:
+            continue
+        if seq.cycle_len != tau:
+            e.set_cycle_len(rid, tau)
+        if not pinned:
+            seq.params.min_confidence = job.min_confidence
+    added: list[tuple[str, BaseException | None, float, int]] = []
+    for rid, _tau, _conf, params in job.admissions:
+        try:
+            e.add_request(encode(job.requests[rid]), params, req_id=rid)
+            added.append((rid, None, time.time(), e.seqs[rid].prompt_len))
+        except Exception as err:
+            added.append((rid, err, time.time(), 0))
+    outputs, cpu_s, info = None, 0.0, {}
+    if e.has_unfinished():
+        cpu0 = time.thread_time()
+        outputs = e.step()
+        cpu_s = time.thread_time() - cpu0
+        for o in outputs:
+            seq = e.seqs.get(o.req_id)
+            if seq is not None and (o.block or o.finished):
+                info[o.req_id] = SeqInfo(seq.params.min_confidence, seq.num_cycles_cut, seq.num_drafted,
+                                          seq.num_accepted, seq.params.exact)
+        for o in outputs:
+            if o.finished:
+                e.release(o.req_id)
+    return Done(added, outputs, cpu_s, info, e.num_waiting, e.num_running, e.has_unfinished())
+
