@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -90,6 +90,51 @@ class DMTDClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncDMTDClient:
+    """The asyncio client (``grpc.aio``): ``generate`` is an async iterator of :class:`dmtd.v1.TokenBlock`.
+    Many streams share one event loop and no thread per channel (the blocking client's channels each spin a
+    polling thread while a stream is open).
+
+        async with AsyncDMTDClient("127.0.0.1:9000") as c:
+            async for block in c.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=64):
+                print(block.text, end="", flush=True)
+    """
+
+    def __init__(self, target: str, timeout_s: float | None = None, api_key: str | None = None,
+                 root_certificates: bytes | None = None) -> None:
+        if root_certificates is not None:
+            self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+        else:
+            self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.GenerateServiceStub(self.channel)
+        self.timeout_s = timeout_s
+        key = api_key if api_key is not None else os.environ.get("DMTD_API_KEY")
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
+
+    async def generate(self, prompt: str | None = None, timeout_s: float | None = None,
+                       **kwargs: Any) -> AsyncIterator[pb.TokenBlock]:
+        """Stream the blocks of one request. Leaving the loop early cancels the request on the server."""
+        call = self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout_s or self.timeout_s,
+                                  metadata=self.metadata)
+        try:
+            async for block in call:
+                yield block
+        finally:
+            call.cancel()
+
+    async def list_variants(self) -> pb.ListVariantsResponse:
+        return await self.stub.ListVariants(pb.ListVariantsRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncDMTDClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 @dataclass(slots=True)

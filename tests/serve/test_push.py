@@ -62,21 +62,21 @@ class LocalHandle:
 
     async def _batches(self, request: ReplicaRequest) -> Any:
         pusher = self.replica.pusher
-        real = pusher.push
+        real = pusher.write_groups
+        token = request.push_token
 
-        async def lossy(address: str, token: str, blocks: list[Block]) -> None:  # a frame lost on the way
-            kept = [b for b in blocks if b.block_index != self.drop_block]
-            if kept:
-                await real(address, token, kept)
+        def lossy(address: str, groups: list[tuple[str, list[Block]]]) -> bool:  # a block lost on the way
+            kept = [(t, [b for b in blocks if t != token or b.block_index != self.drop_block]) for t, blocks in groups]
+            return real(address, [(t, blocks) for t, blocks in kept if blocks])
 
         if self.drop_block is not None:
-            pusher.push = lossy  # type: ignore[method-assign]
+            pusher.write_groups = lossy  # type: ignore[method-assign]
         try:
             async with contextlib.aclosing(self.replica.generate_batches(request)) as items:
                 async for item in items:
                     yield item
         finally:
-            pusher.push = real  # type: ignore[method-assign]
+            pusher.write_groups = real  # type: ignore[method-assign]
 
 
 def test_a_frame_carries_blocks_and_their_usage_both_ways():
@@ -96,25 +96,37 @@ def _core(replica: DMTDReplica, sink: BlockSink | None, **handle_kw: Any) -> tup
     return GatewayCore(Router({"v": Route("v", handle)}, "v"), 8, sink=sink, push_grace_s=2.0), handle
 
 
+def _watch_items(handle: LocalHandle) -> list[Any]:
+    """What travels through the Serve call itself (items), recorded as the gateway receives them."""
+    items: list[Any] = []
+    real = handle._batches
+
+    async def watched(request: ReplicaRequest) -> Any:
+        async for item in real(request):
+            items.append(item)
+            yield item
+
+    handle._batches = watched  # type: ignore[method-assign]
+    return items
+
+
+async def _pushing_setup(tokens: int) -> tuple[DMTDReplica, list[Block], BlockSink, GatewayCore, list[Any]]:
+    """A replica, its blocks for one request streamed directly, a running sink, a core pushing through it, and
+    the list of what travels through the Serve call."""
+    rep = make_replica()
+    direct = await collect(rep, req("direct", tokens))
+    sink = await BlockSink("127.0.0.1").start()
+    core, handle = _core(rep, sink)
+    return rep, direct, sink, core, _watch_items(handle)
+
+
 async def _through(core: GatewayCore, r: ReplicaRequest) -> list[Block]:
     return [b async for b in core.stream(core.admit("v"), r)]
 
 
 def test_pushed_blocks_equal_the_streamed_ones_and_nothing_travels_through_the_call():
     async def scenario():
-        rep = make_replica()
-        direct = await collect(rep, req("direct", 24))
-        sink = await BlockSink("127.0.0.1").start()
-        core, handle = _core(rep, sink)
-        items: list[Any] = []
-        real = handle._batches
-
-        async def watched(request):
-            async for item in real(request):
-                items.append(item)
-                yield item
-
-        handle._batches = watched  # type: ignore[method-assign]
+        rep, direct, sink, core, items = await _pushing_setup(24)
         pushed = await asyncio.gather(*(_through(core, req(f"p{i}", 24)) for i in range(3)))
         await asyncio.sleep(0.05)
         await sink.stop()
@@ -208,3 +220,49 @@ def test_the_sink_drops_strangers_and_malformed_frames_and_keeps_serving():
     got, again, dropped = asyncio.run(scenario())
     assert [b.token_ids for b in got] == [[9]] and [b.token_ids for b in again] == [[10]]
     assert dropped == 2
+
+
+def test_a_step_of_several_pushed_requests_goes_out_in_one_frame():
+    async def scenario():
+        rep = make_replica()
+        sink = await BlockSink("127.0.0.1").start()
+        core, _ = _core(rep, sink)
+        writes: list[list[str]] = []
+        real = rep.pusher.write_groups
+
+        def counted(address: str, groups: list[tuple[str, list[Block]]]) -> bool:
+            writes.append([t for t, _ in groups])
+            return real(address, groups)
+
+        rep.pusher.write_groups = counted  # type: ignore[method-assign]
+        pushed = await asyncio.gather(*(_through(core, req(f"g{i}", 16)) for i in range(3)))
+        await sink.stop()
+        return pushed, writes, sink
+
+    pushed, writes, sink = asyncio.run(scenario())
+    blocks = sum(len(b) for b in pushed)
+    assert all(sum(b.k for b in p) == 16 and p[-1].finish_reason == "length" for p in pushed)
+    assert max(len(w) for w in writes) == 3  # the three requests' blocks of a step shared a frame
+    assert len(writes) < blocks and sink.num_frames == blocks and sink.num_dropped == 0
+
+
+def test_a_sink_lost_mid_stream_sends_the_rest_through_the_call():
+    async def scenario():
+        rep, direct, sink, core, items = await _pushing_setup(20)
+        real_write = rep.pusher.write_groups
+        calls = 0
+
+        def gone_after_two(address: str, groups: list[tuple[str, list[Block]]]) -> bool:
+            nonlocal calls
+            calls += 1
+            return calls <= 2 and real_write(address, groups)
+
+        rep.pusher.write_groups = gone_after_two  # type: ignore[method-assign]
+        got = await _through(core, req("moved", 20))
+        await sink.stop()
+        return direct, got, items
+
+    direct, got, items = asyncio.run(scenario())
+    assert [t for b in got for t in b.token_ids] == [t for b in direct for t in b.token_ids]
+    assert [b.block_index for b in got] == list(range(len(got))) and got[-1].finish_reason == "length"
+    assert items and items[0][0].block_index == 2  # blocks 0 and 1 were pushed, the rest came through the call

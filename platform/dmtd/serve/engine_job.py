@@ -1,17 +1,51 @@
 """One job on a replica's engine thread (``engine_loop.EngineLoop`` sends them back to back): the aborts, the
 controller's τ and gate for the live requests, the admissions (each prompt tokenised right before it is added),
 one step, and what dispatching the step's blocks needs of each sequence, read before finished ones are
-released. Only this code touches the engine; the event loop sees the records below."""
+released. Only this code touches the engine; the event loop sees the records below, and keeps a ``Live``
+record of each request it serves."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import SamplingParams
-from dmtd_contract.records import ReplicaRequest
+from dmtd_contract.records import Block, ReplicaRequest
+
+
+class Pushed:
+    """Queued after a pushed request's last frame is written: its call ends."""
+
+
+PUSHED = Pushed()
+
+
+@dataclass
+class Live:
+    """A request the event loop serves: its blocks' queue (or sink) and the bookkeeping of its stream."""
+    req: ReplicaRequest
+    queue: asyncio.Queue[Block | BaseException | Pushed]
+    tau_lo: int
+    tau_hi: int
+    fixed_confidence: bool
+    text: list[str] = field(default_factory=list)
+    block_index: int = 0
+    num_tokens: int = 0
+    num_heads: int = 0
+    prompt_tokens: int = 0
+    t_admit: float = 0.0
+    t_admit_wall: float = 0.0
+    t_last: float = 0.0
+    cycles_cut: int = 0
+    step_ms: float = 0.0  # engine steps this request ran in since its last block
+    step_cpu_ms: float = 0.0  # the engine thread's CPU time in those steps
+    ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
+    last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
+    push: tuple[str, str] | None = None  # (sink address, token): blocks go to the gateway's sink (dmtd.serve.push)
 
 
 @dataclass

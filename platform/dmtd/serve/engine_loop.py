@@ -20,17 +20,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.engine_job import Done, Job, SeqInfo, run_job
+from dmtd.serve.engine_job import PUSHED, Done, Job, Live, Pushed, SeqInfo, run_job
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
+from dmtd.serve.push import BlockPusher
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 from dmtd_contract.records import Block, ReplicaRequest, Usage
 
@@ -42,28 +41,6 @@ def engine_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
 
 
-@dataclass
-class _Live:
-    req: ReplicaRequest
-    queue: asyncio.Queue[Block | BaseException]
-    tau_lo: int
-    tau_hi: int
-    fixed_confidence: bool
-    text: list[str] = field(default_factory=list)
-    block_index: int = 0
-    num_tokens: int = 0
-    num_heads: int = 0
-    prompt_tokens: int = 0
-    t_admit: float = 0.0
-    t_admit_wall: float = 0.0
-    t_last: float = 0.0
-    cycles_cut: int = 0
-    step_ms: float = 0.0  # engine steps this request ran in since its last block
-    step_cpu_ms: float = 0.0  # the engine thread's CPU time in those steps
-    ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
-    last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
-
-
 class EngineLoop:
     """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
 
@@ -72,7 +49,7 @@ class EngineLoop:
         self.engine, self.controller = engine, controller
         self.max_queued, self.replica_name = max_queued, replica_name
         self.telemetry = telemetry
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, Live] = {}
         self._adds: list[str] = []
         self._aborts: set[str] = set()
         self._decision_due = True  # the controller's τ and gate go to every live request with the next job
@@ -82,6 +59,8 @@ class EngineLoop:
         # task, so that a restarted loop collects the step that was running when the old one ended
         self._pending: tuple[asyncio.Future[Done], Job, float] | None = None
         self._wake = asyncio.Event()
+        self.pusher: BlockPusher | None = None  # the replica's, for requests submitted with a sink
+        self._outbox: dict[str, list[tuple[Live, Block]]] = {}  # a step's pushed blocks, by sink address
         self._executor = executor or engine_executor()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
@@ -123,19 +102,25 @@ class EngineLoop:
             hi = max(min(hi, req.tau_max), lo)
         return lo, hi
 
-    async def submit(self, req: ReplicaRequest, stream_interval_ms: float = 0.0
-                     ) -> AsyncGenerator[list[Block], None]:
+    async def submit(self, req: ReplicaRequest, stream_interval_ms: float = 0.0,
+                     push: tuple[str, str] | None = None) -> AsyncGenerator[list[Block], None]:
         """Queue a request and yield its blocks, in order, as lists; cancelling the iteration frees its slot.
 
         With ``stream_interval_ms`` > 0, blocks that come sooner than that after the previous list wait for the
         rest of the interval and go together (one streamed item instead of several; Ray Serve LLM batches its
-        streams the same way, every 50 ms). The first block and a request's last one never wait."""
+        streams the same way, every 50 ms). The first block and a request's last one never wait.
+
+        With ``push`` (a sink address this loop's ``pusher`` is connected to, and the request's token), the
+        loop writes the blocks to the sink itself, every pushed request's blocks of a step in one frame, and
+        this yields nothing; it ends after the last frame is written, or raises the request's error. If the
+        connection is gone when a step's frame is due, the rest of the blocks are yielded here instead."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
             raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
         if req.request_id in self.live:
             raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
-        live = _Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None)
+        live = Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None,
+                     push=push if push is not None and self.pusher is not None else None)
         live.t_admit_wall = time.time()  # until admitted: when the request reached this replica
         self.live[req.request_id] = live
         tel = self.telemetry
@@ -153,6 +138,8 @@ class EngineLoop:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, Pushed):
+                    return
                 batch = [item]
                 if interval_s and last_sent is not None and not item.finish_reason:
                     wait = last_sent + interval_s - time.perf_counter()
@@ -163,6 +150,8 @@ class EngineLoop:
                         more = live.queue.get_nowait()
                         if isinstance(more, BaseException):
                             raise more
+                        if isinstance(more, Pushed):  # never queued for a request that is not pushed
+                            break
                         batch.append(more)
                 now, sent = time.perf_counter(), time.time()
                 for b in batch:
@@ -346,6 +335,7 @@ class EngineLoop:
                     self._dispatch(o, now, done.seqs.get(o.req_id))
                 except Exception as e:
                     self._fail(o.req_id, self._internal(o.req_id, "delivering a block failed", e))
+            self._flush(now)
             self._apply_controller()
 
     def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
@@ -400,10 +390,38 @@ class EngineLoop:
             self.live.pop(o.req_id, None)  # the engine's thread released it after the step
             if self.telemetry is not None:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
-        live.ready.append(now)
-        live.queue.put_nowait(block)
+        if live.push is not None:
+            self._outbox.setdefault(live.push[0], []).append((live, block))
+        else:
+            live.ready.append(now)
+            live.queue.put_nowait(block)
         if o.finished:
             live.last.set()
+
+    def _flush(self, step_end: float) -> None:
+        """Write this step's pushed blocks: one frame per sink. A request whose sink connection is gone streams
+        its blocks through its call from here on."""
+        outbox, self._outbox = self._outbox, {}
+        for address, items in outbox.items():
+            now, sent = time.perf_counter(), time.time()
+            groups: dict[int, tuple[Live, list[Block]]] = {}
+            for live, block in items:
+                block.dispatch_ms, block.sent_s = (now - step_end) * 1e3, sent
+                groups.setdefault(id(live), (live, []))[1].append(block)
+            pushed = self.pusher is not None and self.pusher.write_groups(
+                address, [(lv.push[1], blocks) for lv, blocks in groups.values() if lv.push is not None])
+            for live, blocks in groups.values():
+                if pushed:
+                    if blocks[-1].finish_reason:
+                        live.queue.put_nowait(PUSHED)
+                    continue
+                if live.push is not None:
+                    log.warning("replica %s: block sink %s is gone; streaming request %s through Serve",
+                                self.replica_name, address, live.req.request_id)
+                    live.push = None
+                for block in blocks:
+                    live.ready.append(step_end)
+                    live.queue.put_nowait(block)
 
     def _apply_controller(self) -> None:
         self.controller.observe_load(self._load[0] + len(self._adds), self._load[1])

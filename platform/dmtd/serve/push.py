@@ -7,8 +7,10 @@ are the engine's. A frame here costs a ``send`` and a ``recv``. The Serve call s
 carries its errors (typed, pickled, mapped at the gateway as before), propagates cancellation (closing the
 call frees the slot at once) and reports a replica's death (``UNAVAILABLE``).
 
-Wire format: frames of a 4-byte big-endian length and a msgpack body ``[token, [block, ...]]``, each block a
-map of ``Block`` fields. ``token`` is the request's secret, issued by the gateway's :class:`BlockSink` for this
+Wire format: frames of a 4-byte big-endian length and a msgpack body ``[token, [block, ...]]`` (one request's
+blocks) or ``[[token, [block, ...]], ...]`` (every pushed request's blocks of one engine step, written by the
+replica's engine loop in one ``send``: at N = 16 and τ = 1 that is one write per step instead of sixteen), each
+block a map of ``Block`` fields. ``token`` is the request's secret, issued by the gateway's :class:`BlockSink` for this
 request only; frames for a token the sink does not hold are dropped, so a peer that can reach the port but
 never saw a request cannot inject into its stream. No pickle crosses this socket.
 """
@@ -37,15 +39,25 @@ class PushUnavailable(ConnectionError):
     """The replica cannot reach the gateway's sink; it streams the request's blocks through Serve instead."""
 
 
-def encode_frame(token: str, blocks: list[Block]) -> bytes:
-    """One frame: the request's token and its blocks (a ``Usage`` as a map, the confidence triple as a list)."""
+def _block_maps(blocks: list[Block]) -> list[dict[str, Any]]:
     out = []
     for b in blocks:
         d = {name: getattr(b, name) for name in _BLOCK_FIELDS}
         if b.usage is not None:
             d["usage"] = b.usage.as_dict()
         out.append(d)
-    body = msgpack.packb([token, out], use_bin_type=True)
+    return out
+
+
+def encode_frame(token: str, blocks: list[Block]) -> bytes:
+    """One frame: the request's token and its blocks (a ``Usage`` as a map, the confidence triple as a list)."""
+    body = msgpack.packb([token, _block_maps(blocks)], use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def encode_groups(groups: list[tuple[str, list[Block]]]) -> bytes:
+    """One frame for several requests: each request's token and its blocks."""
+    body = msgpack.packb([[token, _block_maps(blocks)] for token, blocks in groups], use_bin_type=True)
     return _HEADER.pack(len(body)) + body
 
 
@@ -127,17 +139,30 @@ class BlockSink:
         return len(self._queues)
 
     def deliver(self, body: bytes) -> None:
+        """Hand a frame's blocks to their requests' queues (``num_frames`` counts one request's blocks of a frame;
+        ``num_dropped`` what was dropped: a stranger's token, a malformed frame or group)."""
         try:
-            token, raw = msgpack.unpackb(body, raw=False)
-            queue = self._queues.get(token) if isinstance(token, str) else None
-            if queue is None:
-                self.num_dropped += 1  # a request that ended (cancelled) or a token never issued
-                return
-            queue.put_nowait(decode_blocks(raw))
-            self.num_frames += 1
+            groups = msgpack.unpackb(body, raw=False)
         except Exception:
             self.num_dropped += 1
             log.warning("block sink: dropped a malformed frame", exc_info=True)
+            return
+        if isinstance(groups, list) and groups and isinstance(groups[0], str):
+            groups = [groups]  # one request's frame
+        elif not isinstance(groups, list):
+            groups = [None]
+        for group in groups:
+            try:
+                token, raw = group
+                queue = self._queues.get(token) if isinstance(token, str) else None
+                if queue is None:
+                    self.num_dropped += 1  # a request that ended (cancelled) or a token never issued
+                    continue
+                queue.put_nowait(decode_blocks(raw))
+                self.num_frames += 1
+            except Exception:
+                self.num_dropped += 1
+                log.warning("block sink: dropped a malformed frame", exc_info=True)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -162,7 +187,13 @@ class BlockPusher:
         self._conns: dict[str, tuple[asyncio.Transport, _PushProtocol]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def _transport(self, address: str) -> asyncio.Transport:
+    def connected(self, address: str) -> asyncio.Transport | None:
+        """The open connection to ``address``, if there is one (no I/O)."""
+        conn = self._conns.get(address)
+        return conn[0] if conn is not None and not conn[1].lost and not conn[0].is_closing() else None
+
+    async def connect(self, address: str) -> asyncio.Transport:
+        """The connection to ``address``, opened if needed; :class:`PushUnavailable` when it cannot be."""
         conn = self._conns.get(address)
         if conn is not None and not conn[1].lost and not conn[0].is_closing():
             return conn[0]
@@ -181,8 +212,17 @@ class BlockPusher:
 
     async def push(self, address: str, token: str, blocks: list[Block]) -> None:
         """Send one frame; :class:`PushUnavailable` when the sink cannot be reached (nothing was sent)."""
-        transport = await self._transport(address)
+        transport = await self.connect(address)
         transport.write(encode_frame(token, blocks))
+
+    def write_groups(self, address: str, groups: list[tuple[str, list[Block]]]) -> bool:
+        """Send several requests' blocks in one frame on an open connection; False (nothing sent) when there is
+        none."""
+        transport = self.connected(address)
+        if transport is None:
+            return False
+        transport.write(encode_groups(groups))
+        return True
 
     def close(self) -> None:
         for transport, _ in self._conns.values():

@@ -57,6 +57,7 @@ class DMTDReplica:
         engine, cfg = executor.submit(engine_factory).result()
         self.name = name or f"replica-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name, executor=executor)
+        self.loop.pusher = self.pusher
         if telemetry is not None:  # built by the app: JSON logs, a Prometheus endpoint, the configured exporter
             configure_json_logging()
             settings = telemetry_settings(telemetry)
@@ -107,22 +108,12 @@ class DMTDReplica:
         A request that names a block sink (``push_to``, ``push_token``: dmtd.serve.push) has each block pushed
         there as soon as it is ready, and this stream yields nothing unless the sink cannot be reached: then
         the rest of the blocks come as items here, as above. Errors are raised here either way."""
-        push = getattr(request, "push_to", "") or None
-        token = getattr(request, "push_token", "")
-        interval = self.stream_interval_ms if push is None else 0.0
-        async with contextlib.aclosing(self._blocks(request, interval)) as batches:
+        async with contextlib.aclosing(self._blocks(request, self.stream_interval_ms, push=True)) as batches:
             async for batch in batches:
-                if push is not None:
-                    try:
-                        await self.pusher.push(push, token, batch)
-                        continue
-                    except PushUnavailable as e:
-                        log.warning("replica %s: %s; streaming request %s through Serve", self.name, e,
-                                    request.request_id)
-                        push = None
                 yield batch
 
-    async def _blocks(self, request: ReplicaRequest, interval_ms: float) -> AsyncGenerator[list[Block], None]:
+    async def _blocks(self, request: ReplicaRequest, interval_ms: float,
+                      push: bool = False) -> AsyncGenerator[list[Block], None]:
         # aclosing: a consumer that stops early (client cancel) closes submit() now, freeing the slot
         if not isinstance(request, ReplicaRequest):
             raise RequestFailed("request", f"request: not a replica request (got {type(request).__name__})")
@@ -131,7 +122,14 @@ class DMTDReplica:
         except InvalidRequest as e:
             raise RequestFailed(e.field, str(e)) from e
         req.profile = self.loop.controller.cfg.profile_of(req.profile)
-        async with contextlib.aclosing(self.loop.submit(req, interval_ms)) as batches:
+        target = None
+        if push and req.push_to:  # the engine loop writes its blocks to the gateway's sink
+            try:
+                await self.pusher.connect(req.push_to)
+                target, interval_ms = (req.push_to, req.push_token), 0.0
+            except PushUnavailable as e:
+                log.warning("replica %s: %s; streaming request %s through Serve", self.name, e, req.request_id)
+        async with contextlib.aclosing(self.loop.submit(req, interval_ms, target)) as batches:
             async for batch in batches:
                 yield batch
 
