@@ -53,6 +53,8 @@ def test_compare_engine_runs_the_same_workload_on_an_in_process_engine(stack, tm
         assert e["tokens"] == r["tokens"] == 12 * r["concurrency"]
         assert r["engine_tokens_per_s"] == e["tokens_per_s"] > 0
         assert abs(r["stack_efficiency"] - r["tokens_per_s"] / r["engine_tokens_per_s"]) < 1e-9
+        pairs = [a / b for a, b in zip(r["repeats_tokens_per_s"], r["repeats_engine_tokens_per_s"], strict=True)]
+        assert r["stack_efficiency_pairs"] == pairs and r["stack_efficiency_paired"] == sum(pairs) / 2  # median of 2
         assert r["engine_ttft_p95_ms"] >= r["engine_ttft_p50_ms"] > 0 and r["engine_itl_p50_ms"] > 0
         assert len(r["repeats_tokens_per_s"]) == 2 and r["tokens_per_s"] == max(r["repeats_tokens_per_s"])
         assert e["cpu_ms_per_token"] > 0

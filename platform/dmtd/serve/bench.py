@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import threading
 import time
 import uuid
@@ -53,7 +54,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="closed-loop runs per row (stack and engine in turn); the row is the best one of each")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
-                        "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency and engine TTFT")
+                        "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
+                        "engine run), stack_efficiency_paired (median over the repeats of each stack run over the "
+                        "engine run right after it) and engine TTFT")
 
 
 def _record(t0: float, arrivals: list[tuple[float, int]]) -> dict[str, Any]:
@@ -235,6 +238,11 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
                 row.update(engine_columns(row, max(engine_tries, key=lambda r: r["tokens_per_s"])))
                 if len(engine_tries) > 1:
                     row["repeats_engine_tokens_per_s"] = [r["tokens_per_s"] for r in engine_tries]
+                # each stack run and the engine run right after it, as a pair: a drift of the machine's speed
+                # between repeats cancels within a pair, where the ratio of the bests compares different times
+                pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(tries, engine_tries, strict=True)]
+                row["stack_efficiency_pairs"] = pairs
+                row["stack_efficiency_paired"] = statistics.median(pairs)
             rows.append(row)
     finally:
         if started:
@@ -259,12 +267,13 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
               f"{r.get('speedup_vs_tau1', 0):>5.2f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
               f"{r['itl_p95_ms']:>8.1f} {r['e2e_p95_ms']:>8.0f} {r['slo_attainment']:>5.0%}")
     if any("engine_tokens_per_s" in r for r in rows):
-        print(f"\n{'N':>4} {'policy':>9} {'stack tok/s':>11} {'engine tok/s':>12} {'efficiency':>10} "
+        print(f"\n{'N':>4} {'policy':>9} {'stack tok/s':>11} {'engine tok/s':>12} {'efficiency':>10} {'paired':>6} "
               f"{'TTFT p50 stack':>14} {'engine':>7} {'ITL p50 stack':>13} {'engine':>7}")
         for r in rows:
             if "engine_tokens_per_s" in r:
                 print(f"{r['concurrency']:>4} {r['policy']:>9} {r['tokens_per_s']:>11.1f} "
                       f"{r['engine_tokens_per_s']:>12.1f} {r['stack_efficiency']:>10.2f} "
+                      f"{r['stack_efficiency_paired']:>6.2f} "
                       f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
                       f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
     cpu_rows = [r for r in rows if "cpu_ms_per_token" in r]
