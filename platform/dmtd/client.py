@@ -115,7 +115,9 @@ class AsyncDMTDClient:
 
     async def generate(self, prompt: str | None = None, timeout_s: float | None = None,
                        **kwargs: Any) -> AsyncIterator[pb.TokenBlock]:
-        """Stream the blocks of one request. Leaving the loop early cancels the request on the server."""
+        """Stream the blocks of one request. Closing the iterator cancels the request on the server at once
+        (``async with contextlib.aclosing(c.generate(...)) as blocks``); a loop left early without closing it
+        cancels when the iterator is collected."""
         call = self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout_s or self.timeout_s,
                                   metadata=self.metadata)
         try:

@@ -13,8 +13,9 @@ import grpc
 import msgpack
 import pytest
 
+from dmtd.serve import push as push_module
 from dmtd.serve.gateway import GatewayCore, GatewayError
-from dmtd.serve.push import BlockSink, decode_blocks, encode_frame
+from dmtd.serve.push import BlockPusher, BlockSink, PushUnavailable, decode_blocks, encode_frame
 from dmtd.serve.replica import DMTDReplica
 from dmtd.serve.routing import Route, Router
 from dmtd_contract.records import Block, ReplicaRequest, Usage
@@ -65,7 +66,7 @@ class LocalHandle:
         real = pusher.write_groups
         token = request.push_token
 
-        def lossy(address: str, groups: list[tuple[str, list[Block]]]) -> bool:  # a block lost on the way
+        def lossy(address: str, groups: list[tuple[str, list[Block]]]) -> Any:  # a block lost on the way
             kept = [(t, [b for b in blocks if t != token or b.block_index != self.drop_block]) for t, blocks in groups]
             return real(address, [(t, blocks) for t, blocks in kept if blocks])
 
@@ -222,7 +223,7 @@ def test_the_sink_drops_strangers_and_malformed_frames_and_keeps_serving():
     assert dropped == 2
 
 
-def test_a_step_of_several_pushed_requests_goes_out_in_one_frame():
+def test_a_step_of_several_pushed_requests_goes_out_in_one_write():
     async def scenario():
         rep = make_replica()
         sink = await BlockSink("127.0.0.1").start()
@@ -230,7 +231,7 @@ def test_a_step_of_several_pushed_requests_goes_out_in_one_frame():
         writes: list[list[str]] = []
         real = rep.pusher.write_groups
 
-        def counted(address: str, groups: list[tuple[str, list[Block]]]) -> bool:
+        def counted(address: str, groups: list[tuple[str, list[Block]]]) -> Any:
             writes.append([t for t, _ in groups])
             return real(address, groups)
 
@@ -242,7 +243,7 @@ def test_a_step_of_several_pushed_requests_goes_out_in_one_frame():
     pushed, writes, sink = asyncio.run(scenario())
     blocks = sum(len(b) for b in pushed)
     assert all(sum(b.k for b in p) == 16 and p[-1].finish_reason == "length" for p in pushed)
-    assert max(len(w) for w in writes) == 3  # the three requests' blocks of a step shared a frame
+    assert max(len(w) for w in writes) == 3  # the three requests' frames of a step went in one write
     assert len(writes) < blocks and sink.num_frames == blocks and sink.num_dropped == 0
 
 
@@ -252,10 +253,10 @@ def test_a_sink_lost_mid_stream_sends_the_rest_through_the_call():
         real_write = rep.pusher.write_groups
         calls = 0
 
-        def gone_after_two(address: str, groups: list[tuple[str, list[Block]]]) -> bool:
+        def gone_after_two(address: str, groups: list[tuple[str, list[Block]]]) -> Any:
             nonlocal calls
             calls += 1
-            return calls <= 2 and real_write(address, groups)
+            return real_write(address, groups) if calls <= 2 else None  # None: no connection
 
         rep.pusher.write_groups = gone_after_two  # type: ignore[method-assign]
         got = await _through(core, req("moved", 20))
@@ -266,3 +267,61 @@ def test_a_sink_lost_mid_stream_sends_the_rest_through_the_call():
     assert [t for b in got for t in b.token_ids] == [t for b in direct for t in b.token_ids]
     assert [b.block_index for b in got] == list(range(len(got))) and got[-1].finish_reason == "length"
     assert items and items[0][0].block_index == 2  # blocks 0 and 1 were pushed, the rest came through the call
+
+
+def test_a_block_that_cannot_be_encoded_fails_its_request_alone():
+    async def scenario():
+        rep = make_replica(max_num_seqs=3)
+        sink = await BlockSink("127.0.0.1").start()
+        core, _ = _core(rep, sink)
+        real = push_module.encode_frame
+
+        def encode(token: str, blocks: list[Block]) -> bytes:  # request e1's third block has a field msgpack refuses
+            if any(b.request_id == "e1" and b.block_index >= 2 for b in blocks):
+                raise TypeError("can not serialize 'object' object")
+            return real(token, blocks)
+
+        push_module.encode_frame = encode  # type: ignore[assignment]
+        try:
+            out = await asyncio.gather(*(_through(core, req(f"e{i}", 16)) for i in range(3)), return_exceptions=True)
+        finally:
+            push_module.encode_frame = real  # type: ignore[assignment]
+        for _ in range(100):
+            if rep.loop.num_active == 0 and rep.loop.engine.scheduler.num_free_slots == 3:
+                break
+            await asyncio.sleep(0.01)
+        state = rep.loop.num_active, rep.loop.engine.scheduler.num_free_slots, sink.num_open
+        await sink.stop()
+        return out, state
+
+    out, state = asyncio.run(scenario())
+    failed = [o for o in out if isinstance(o, BaseException)]
+    assert len(failed) == 1 and isinstance(failed[0], GatewayError) and failed[0].code == grpc.StatusCode.INTERNAL
+    assert "encoding a block failed" in str(failed[0])
+    assert all(sum(b.k for b in o) == 16 for o in out if not isinstance(o, BaseException))
+    assert state == (0, 3, 0)  # no slot, live request or sink entry left behind
+
+
+def test_a_sink_that_cannot_be_reached_is_not_retried_at_once():
+    async def scenario():
+        with socket.socket() as s:  # a port nobody listens on, yet
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        address = f"127.0.0.1:{port}"
+        pusher = BlockPusher(retry_after_s=30.0)
+        errors = []
+        with pytest.raises(PushUnavailable) as first:
+            await pusher.connect(address)
+        errors.append(str(first.value))
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", port)
+        with pytest.raises(PushUnavailable) as second:  # listening now, but the failure is fresh: not tried
+            await pusher.connect(address)
+        errors.append(str(second.value))
+        pusher.retry_after_s = 0.0
+        connected = await pusher.connect(address) is pusher.connected(address)
+        pusher.close()
+        server.close()
+        return errors, connected
+
+    errors, connected = asyncio.run(scenario())
+    assert errors[0] == errors[1] and "ConnectionRefusedError" in errors[0] and connected

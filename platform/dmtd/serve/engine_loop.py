@@ -111,7 +111,7 @@ class EngineLoop:
         streams the same way, every 50 ms). The first block and a request's last one never wait.
 
         With ``push`` (a sink address this loop's ``pusher`` is connected to, and the request's token), the
-        loop writes the blocks to the sink itself, every pushed request's blocks of a step in one frame, and
+        loop writes the blocks to the sink itself, every pushed request's frame of a step in one write, and
         this yields nothing; it ends after the last frame is written, or raises the request's error. If the
         connection is gone when a step's frame is due, the rest of the blocks are yielded here instead."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
@@ -140,7 +140,7 @@ class EngineLoop:
                     raise item
                 if isinstance(item, Pushed):
                     return
-                batch = [item]
+                batch, pushed_end = [item], False
                 if interval_s and last_sent is not None and not item.finish_reason:
                     wait = last_sent + interval_s - time.perf_counter()
                     if wait > 0:
@@ -150,7 +150,8 @@ class EngineLoop:
                         more = live.queue.get_nowait()
                         if isinstance(more, BaseException):
                             raise more
-                        if isinstance(more, Pushed):  # never queued for a request that is not pushed
+                        if isinstance(more, Pushed):  # (a pushed request has no interval: never here)
+                            pushed_end = True
                             break
                         batch.append(more)
                 now, sent = time.perf_counter(), time.time()
@@ -159,7 +160,7 @@ class EngineLoop:
                     b.sent_s = sent
                 yield batch
                 last_sent = time.perf_counter()
-                if batch[-1].finish_reason:
+                if batch[-1].finish_reason or pushed_end:
                     return
         finally:
             if self.live.pop(req.request_id, None) is not None:
@@ -399,29 +400,45 @@ class EngineLoop:
             live.last.set()
 
     def _flush(self, step_end: float) -> None:
-        """Write this step's pushed blocks: one frame per sink. A request whose sink connection is gone streams
-        its blocks through its call from here on."""
+        """Write this step's pushed blocks: every request's frame to a sink in one write. A request whose sink
+        connection is gone (or whose write failed) streams its blocks through its call from here on; one whose
+        blocks cannot be encoded fails alone."""
         outbox, self._outbox = self._outbox, {}
         for address, items in outbox.items():
             now, sent = time.perf_counter(), time.time()
-            groups: dict[int, tuple[Live, list[Block]]] = {}
+            by_request: dict[int, tuple[Live, list[Block]]] = {}
             for live, block in items:
                 block.dispatch_ms, block.sent_s = (now - step_end) * 1e3, sent
-                groups.setdefault(id(live), (live, []))[1].append(block)
-            pushed = self.pusher is not None and self.pusher.write_groups(
-                address, [(lv.push[1], blocks) for lv, blocks in groups.values() if lv.push is not None])
-            for live, blocks in groups.values():
-                if pushed:
+                by_request.setdefault(id(live), (live, []))[1].append(block)
+            groups = [(lv, blocks) for lv, blocks in by_request.values() if lv.push is not None]
+            try:
+                failed = None if self.pusher is None else self.pusher.write_groups(
+                    address, [(lv.push[1], blocks) for lv, blocks in groups])  # type: ignore[index]
+            except Exception:
+                log.warning("replica %s: writing to block sink %s failed", self.replica_name, address, exc_info=True)
+                failed = None
+            for i, (live, blocks) in enumerate(groups):
+                if failed is not None and i in failed:
+                    self._end_pushed(live, self._internal(live.req.request_id, "encoding a block failed", failed[i]))
+                elif failed is not None:
                     if blocks[-1].finish_reason:
                         live.queue.put_nowait(PUSHED)
-                    continue
-                if live.push is not None:
+                else:
                     log.warning("replica %s: block sink %s is gone; streaming request %s through Serve",
                                 self.replica_name, address, live.req.request_id)
                     live.push = None
-                for block in blocks:
-                    live.ready.append(step_end)
-                    live.queue.put_nowait(block)
+                    for block in blocks:
+                        live.ready.append(step_end)
+                        live.queue.put_nowait(block)
+
+    def _end_pushed(self, live: Live, error: BaseException) -> None:
+        """End a pushed request with ``error``, finished (already out of ``live``) or not."""
+        rid = live.req.request_id
+        if self.live.get(rid) is live:
+            self._fail(rid, error)
+        else:
+            live.queue.put_nowait(error)
+            live.last.set()
 
     def _apply_controller(self) -> None:
         self.controller.observe_load(self._load[0] + len(self._adds), self._load[1])

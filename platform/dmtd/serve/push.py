@@ -8,11 +8,11 @@ carries its errors (typed, pickled, mapped at the gateway as before), propagates
 call frees the slot at once) and reports a replica's death (``UNAVAILABLE``).
 
 Wire format: frames of a 4-byte big-endian length and a msgpack body ``[token, [block, ...]]`` (one request's
-blocks) or ``[[token, [block, ...]], ...]`` (every pushed request's blocks of one engine step, written by the
-replica's engine loop in one ``send``: at N = 16 and τ = 1 that is one write per step instead of sixteen), each
-block a map of ``Block`` fields. ``token`` is the request's secret, issued by the gateway's :class:`BlockSink` for this
-request only; frames for a token the sink does not hold are dropped, so a peer that can reach the port but
-never saw a request cannot inject into its stream. No pickle crosses this socket.
+blocks), each block a map of ``Block`` fields. The replica's engine loop writes the frames of every pushed
+request of one engine step in one ``send`` (at N = 16 and τ = 1, one write per step instead of sixteen).
+``token`` is the request's secret, issued by the gateway's :class:`BlockSink` for this request only; frames for a
+token the sink does not hold are dropped, so a peer that can reach the port but never saw a request cannot inject
+into its stream. No pickle crosses this socket.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import logging
 import secrets
 import struct
+import time
 from dataclasses import fields
 from typing import Any
 
@@ -55,10 +56,6 @@ def encode_frame(token: str, blocks: list[Block]) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def encode_groups(groups: list[tuple[str, list[Block]]]) -> bytes:
-    """One frame for several requests: each request's token and its blocks."""
-    body = msgpack.packb([[token, _block_maps(blocks)] for token, blocks in groups], use_bin_type=True)
-    return _HEADER.pack(len(body)) + body
 
 
 def decode_blocks(raw: list[dict[str, Any]]) -> list[Block]:
@@ -139,30 +136,17 @@ class BlockSink:
         return len(self._queues)
 
     def deliver(self, body: bytes) -> None:
-        """Hand a frame's blocks to their requests' queues (``num_frames`` counts one request's blocks of a frame;
-        ``num_dropped`` what was dropped: a stranger's token, a malformed frame or group)."""
         try:
-            groups = msgpack.unpackb(body, raw=False)
+            token, raw = msgpack.unpackb(body, raw=False)
+            queue = self._queues.get(token) if isinstance(token, str) else None
+            if queue is None:
+                self.num_dropped += 1  # a request that ended (cancelled) or a token never issued
+                return
+            queue.put_nowait(decode_blocks(raw))
+            self.num_frames += 1
         except Exception:
             self.num_dropped += 1
             log.warning("block sink: dropped a malformed frame", exc_info=True)
-            return
-        if isinstance(groups, list) and groups and isinstance(groups[0], str):
-            groups = [groups]  # one request's frame
-        elif not isinstance(groups, list):
-            groups = [None]
-        for group in groups:
-            try:
-                token, raw = group
-                queue = self._queues.get(token) if isinstance(token, str) else None
-                if queue is None:
-                    self.num_dropped += 1  # a request that ended (cancelled) or a token never issued
-                    continue
-                queue.put_nowait(decode_blocks(raw))
-                self.num_frames += 1
-            except Exception:
-                self.num_dropped += 1
-                log.warning("block sink: dropped a malformed frame", exc_info=True)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -182,8 +166,10 @@ class _PushProtocol(asyncio.Protocol):
 class BlockPusher:
     """The replica's end: one connection per sink address, opened on first use and reopened after a loss."""
 
-    def __init__(self, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, connect_timeout_s: float = 2.0, retry_after_s: float = 5.0) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.retry_after_s = retry_after_s  # an address that could not be reached is not tried again sooner
+        self._failed: dict[str, tuple[float, str]] = {}  # address → (when, why)
         self._conns: dict[str, tuple[asyncio.Transport, _PushProtocol]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -193,7 +179,11 @@ class BlockPusher:
         return conn[0] if conn is not None and not conn[1].lost and not conn[0].is_closing() else None
 
     async def connect(self, address: str) -> asyncio.Transport:
-        """The connection to ``address``, opened if needed; :class:`PushUnavailable` when it cannot be."""
+        """The connection to ``address``, opened if needed; :class:`PushUnavailable` when it cannot be (at once
+        while the last attempt's failure is under ``retry_after_s`` old: requests do not queue on a dead sink)."""
+        failed = self._failed.get(address)
+        if failed is not None and time.monotonic() - failed[0] < self.retry_after_s:
+            raise PushUnavailable(failed[1])
         conn = self._conns.get(address)
         if conn is not None and not conn[1].lost and not conn[0].is_closing():
             return conn[0]
@@ -206,7 +196,10 @@ class BlockPusher:
                 transport, protocol = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
                     _PushProtocol, host.strip("[]"), int(port)), self.connect_timeout_s)
             except (OSError, ValueError, TimeoutError) as e:
-                raise PushUnavailable(f"block sink {address}: {e}") from e
+                why = f"block sink {address}: {type(e).__name__}: {e}"
+                self._failed[address] = (time.monotonic(), why)
+                raise PushUnavailable(why) from e
+            self._failed.pop(address, None)
             self._conns[address] = (transport, protocol)
             return transport
 
@@ -215,14 +208,21 @@ class BlockPusher:
         transport = await self.connect(address)
         transport.write(encode_frame(token, blocks))
 
-    def write_groups(self, address: str, groups: list[tuple[str, list[Block]]]) -> bool:
-        """Send several requests' blocks in one frame on an open connection; False (nothing sent) when there is
-        none."""
+    def write_groups(self, address: str, groups: list[tuple[str, list[Block]]]) -> dict[int, Exception] | None:
+        """Send several requests' frames in one write on an open connection. None (nothing sent) when there is
+        none; else the groups whose blocks could not be encoded (index → error): the others were sent."""
         transport = self.connected(address)
         if transport is None:
-            return False
-        transport.write(encode_groups(groups))
-        return True
+            return None
+        frames, failed = [], {}
+        for i, (token, blocks) in enumerate(groups):
+            try:
+                frames.append(encode_frame(token, blocks))
+            except Exception as e:  # one request's bad field must not hold back the others' blocks
+                failed[i] = e
+        if frames:
+            transport.write(b"".join(frames))
+        return failed
 
     def close(self) -> None:
         for transport, _ in self._conns.values():
