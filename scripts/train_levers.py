@@ -3,13 +3,14 @@ on the same corpus snapshot, scored on the same held-out split (``dmtd train``'s
 
     W=~/.cache/dmtd/corpora/smollm2-sd-wide
     dmtd data --out $W-s2 --snapshot-of $W --shards 2          # a fixed snapshot: every arm sees the same data
-    nohup nice -n 19 .venv/bin/python scripts/train_levers.py --corpus $W-s2 --cache-root $W \\
+    nohup nice -n 19 .venv/bin/python scripts/train_levers.py --corpus $W-s2 \\
         --json docs/figures/train_levers.json >> ~/.cache/dmtd/logs/train-levers.log 2>&1 &
 
 Each arm is a ``dmtd train`` run under ``--runs-root`` (checkpointed: rerun the same command after a restart
-and each arm resumes where it stopped; finished arms are read from their logs). Teacher caches are made as an
-arm needs them (``dmtd cache`` for its E and D over ``--cache-root``'s shards, which it skips once cached). The JSON and the printed
-markdown table hold the held-out top-1 agreement by τ at every evaluation of every arm, ranked by the last one.
+and each arm resumes where it stopped; finished arms are read from their logs). A new arm first makes the
+teacher cache its E and D need (``dmtd cache`` over ``--cache-root``'s shards: by default the snapshot's own,
+a few minutes; a shard already cached is checked and kept). The JSON and the printed markdown table hold the
+held-out top-1 agreement by τ at every evaluation of every arm, ranked by the last one.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def run_arm(name: str, args: argparse.Namespace) -> None:
     enc, dec, extra = ARMS[name]
     run = args.runs_root / name
     cache = args.cache_root / f"cache-e{enc}-d{dec}-k{args.top_k}-bfloat16"
-    if not finished(run, args.steps):  # the shards it lacks (a done shard is checked and kept)
+    if not (run / "config.json").exists():  # a new arm: the cache its E and D need (a done shard is kept)
         subprocess.run([dmtd(), "cache", "--corpus", str(args.cache_root), "--num-encoding-layers", str(enc),
                         "--num-decoding-layers", str(dec), "--top-k", str(args.top_k), "--threads",
                         str(args.threads)], check=True)
