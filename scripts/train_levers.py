@@ -29,6 +29,7 @@ ARMS: dict[str, tuple[int, int, list[str]]] = {
     "d8-kl-ce": (0, 8, ["--ce-weight", "0.5"]),
     "d8-tau4-fixed": (0, 8, ["--tau-min", "4", "--tau-max", "4"]),
     "d8-lr1e-3": (0, 8, ["--lr", "1e-3"]),
+    "d8-lr3e-3": (0, 8, ["--lr", "3e-3"]),
     "d8-lr-flat": (0, 8, ["--min-lr-ratio", "1.0"]),
     "d6": (0, 6, []),
     "d10": (0, 10, []),
