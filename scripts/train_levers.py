@@ -35,6 +35,7 @@ ARMS: dict[str, tuple[int, int, list[str]]] = {
     "d10": (0, 10, []),
     "e1-d8": (1, 8, []),
     "e2-d8": (2, 8, []),
+    "e2-d8-lr1e-3": (2, 8, ["--lr", "1e-3"]),  # the two strongest levers together
 }
 
 
@@ -90,6 +91,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def plot(rows: list[dict], path: Path, steps: int) -> None:
+    """Held-out agreement at τ = 2 (τ = 4 for an arm that trains only τ = 4) against step, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in sorted(rows, key=lambda r: -(r["evals"][-1]["eval"].get("2", 0) if r["evals"] else 0)):
+        tau = "2" if any("2" in e["eval"] for e in r["evals"]) else "4"
+        pts = [(e["step"], e["eval"][tau]) for e in r["evals"] if tau in e["eval"]]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"{r['arm']} ({r['change']}; τ = {tau})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out tail top-1 agreement with the base")
+    ax.set_xlim(0, steps)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("scripts/train_levers.py: one change per arm, from the base model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, required=True, help="the snapshot every arm trains and evaluates on")
@@ -106,7 +131,7 @@ def main() -> int:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="variant the E0/D8 arms start from (default: the base model, like the others)")
     ap.add_argument("--report-only", action="store_true", help="only collect the arms' logs")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the arms' curves here, and a PNG beside it")
     args = ap.parse_args()
     args.corpus, args.runs_root = args.corpus.expanduser(), args.runs_root.expanduser()
     args.cache_root = (args.cache_root or args.corpus).expanduser()
@@ -133,6 +158,7 @@ def main() -> int:
                                          "eval_records": args.eval_records, "seed": args.seed,
                                          "init_from": str(args.init_from) if args.init_from else None,
                                          "arms": rows}, indent=1) + "\n")
+        plot(rows, args.json.with_suffix(".png"), args.steps)
     return 0
 
 
