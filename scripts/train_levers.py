@@ -149,7 +149,8 @@ def main() -> int:
     for name in arms:
         enc, dec, extra = ARMS[name]
         rows.append({"arm": name, "num_encoding_layers": enc, "num_decoding_layers": dec, "args": extra,
-                     "change": " ".join(extra) or (f"E={enc}, D={dec}" if (enc, dec) != (0, 8) else "reference"),
+                     "change": ", ".join(([f"E={enc}, D={dec}"] if (enc, dec) != (0, 8) else [])
+                                         + ([" ".join(extra)] if extra else [])) or "reference",
                      "evals": read_evals(args.runs_root / name)})
     print(table(rows))
     if args.json:
