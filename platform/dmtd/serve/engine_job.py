@@ -7,14 +7,19 @@ record of each request it serves."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dmtd.engine.llm import LLMEngine, StepOutput
-from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.sequence import RequestError, SamplingParams
+from dmtd.serve.errors import ReplicaInternalError, RequestFailed
 from dmtd_contract.records import Block, ReplicaRequest
+
+log = logging.getLogger("dmtd.replica")
 
 
 class Pushed:
@@ -119,3 +124,26 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
                 e.release(o.req_id)
     return Done(added, outputs, cpu_s, info, e.num_waiting, e.num_running, e.has_unfinished())
 
+
+
+def encode_prompt(engine: LLMEngine, req: ReplicaRequest) -> list[int]:
+    """The prompt's token ids, on the engine's thread in the same job as the request's admission: a job of
+    its own queued behind the running step, so the request missed the next step too (one step more of
+    TTFT, and its slot idle for that step, under load)."""
+    name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
+    prompt: Any = req.messages or req.prompt_token_ids or req.prompt
+    try:
+        return engine.encode(prompt)
+    except RequestError as e:
+        raise RequestFailed(e.field, str(e)) from e
+    except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
+        raise RequestFailed(name, f"{name}: cannot be tokenised ({type(e).__name__}: {e})"[:300]) from e
+    except Exception as e:
+        raise internal_error(req.request_id, "tokenising the prompt failed", e) from e
+
+
+def internal_error(rid: str, what: str, e: BaseException) -> ReplicaInternalError:
+    """Our fault, not the request's: logged with an error id the client sees."""
+    err = ReplicaInternalError(f"{what} ({type(e).__name__})")
+    log.error("request %s: %s [error id %s]", rid, what, err.error_id, exc_info=e)
+    return err

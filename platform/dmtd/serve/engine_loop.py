@@ -27,7 +27,7 @@ from typing import Any
 from dmtd.engine.llm import LLMEngine, StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.engine_job import PUSHED, Done, Job, Live, Pushed, SeqInfo, run_job
+from dmtd.serve.engine_job import PUSHED, Done, Job, Live, Pushed, SeqInfo, encode_prompt, internal_error, run_job
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.serve.push import BlockPusher
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
@@ -170,26 +170,6 @@ class EngineLoop:
             if tel is not None:
                 tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
 
-    def _encode(self, req: ReplicaRequest) -> list[int]:
-        """The prompt's token ids, on the engine's thread in the same job as the request's admission: a job of
-        its own queued behind the running step, so the request missed the next step too (one step more of
-        TTFT, and its slot idle for that step, under load)."""
-        name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
-        prompt: Any = req.messages or req.prompt_token_ids or req.prompt
-        try:
-            return self.engine.encode(prompt)
-        except RequestError as e:
-            raise RequestFailed(e.field, str(e)) from e
-        except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
-            raise RequestFailed(name, f"{name}: cannot be tokenised ({type(e).__name__}: {e})"[:300]) from e
-        except Exception as e:
-            raise self._internal(req.request_id, "tokenising the prompt failed", e) from e
-
-    def _internal(self, rid: str, what: str, e: BaseException) -> ReplicaInternalError:
-        err = ReplicaInternalError(f"{what} ({type(e).__name__})")
-        log.error("request %s: %s [error id %s]", rid, what, err.error_id, exc_info=e)
-        return err
-
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._supervise())
@@ -246,10 +226,10 @@ class EngineLoop:
             self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
                                                      f"({type(error).__name__}: {error})"))
         else:
-            self._fail(rid, self._internal(rid, "admission failed", error))
+            self._fail(rid, internal_error(rid, "admission failed", error))
 
     def _engine_work(self, job: Job) -> Done:
-        return run_job(self.engine, job, self._encode)
+        return run_job(self.engine, job, lambda req: encode_prompt(self.engine, req))
 
     def _next_job(self) -> Job | None:
         """The next job from what the event loop has gathered; None when there is nothing to do."""
@@ -307,7 +287,7 @@ class EngineLoop:
             except Exception as e:  # an engine bug must not hang every stream
                 self._pending, self._unfinished = None, False
                 for rid in list(self.live):
-                    self._fail(rid, self._internal(rid, "engine step failed", e))
+                    self._fail(rid, internal_error(rid, "engine step failed", e))
                 continue
             self._pending = None
             now = time.perf_counter()
@@ -335,7 +315,7 @@ class EngineLoop:
                 try:
                     self._dispatch(o, now, done.seqs.get(o.req_id))
                 except Exception as e:
-                    self._fail(o.req_id, self._internal(o.req_id, "delivering a block failed", e))
+                    self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
             self._flush(now)
             self._apply_controller()
 
@@ -419,7 +399,7 @@ class EngineLoop:
                 failed = None
             for i, (live, blocks) in enumerate(groups):
                 if failed is not None and i in failed:
-                    self._end_pushed(live, self._internal(live.req.request_id, "encoding a block failed", failed[i]))
+                    self._end_pushed(live, internal_error(live.req.request_id, "encoding a block failed", failed[i]))
                 elif failed is not None:
                     if blocks[-1].finish_reason:
                         live.queue.put_nowait(PUSHED)
