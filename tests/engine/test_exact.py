@@ -219,6 +219,37 @@ def test_restricted_draft_vocabulary_keeps_exactness_and_must_hold_eos():
         exact_engine(base, draft_vocab=[1, 1, 2])
 
 
+def test_gated_tails_draw_only_from_the_draft_vocabulary_alone_or_beside_heads():
+    """With a draft vocabulary, a gated tail token is always one of its ids (a step of tails alone projects
+    onto them only, a step shared with heads masks the tail rows), heads keep the full vocabulary, and a
+    row's tokens do not depend on what shares its steps."""
+    from dmtd.engine.config import EngineConfig
+
+    base = base_model(8, 0.2)
+    prompts = prompts_of([5, 9, 14], 8)
+    vocab = list(range(0, 97, 2))
+    params = SamplingParams(max_new_tokens=18, cycle_len=3, min_confidence=0.6)  # the gate splits phases
+
+    def engine() -> LLMEngine:
+        cfg = EngineConfig(max_num_seqs=8, max_model_len=256, align_phases=False)
+        return LLMEngine(base, None, DMTD, cfg, default_cycle_len=1, eos_token_ids=[], draft_vocab=vocab)
+
+    solo = [engine().generate([p], params)[0] for p in prompts]
+    heads = []
+    for r in solo:
+        assert len(r.head_flags) == len(r.token_ids) and not all(r.head_flags)
+        assert all(t % 2 == 0 for t, head in zip(r.token_ids, r.head_flags) if not head), r.token_ids
+        heads += [t for t, head in zip(r.token_ids, r.head_flags) if head]
+    assert any(t % 2 for t in heads)  # heads are not restricted
+    eng, steps = engine(), []
+    run = eng.runner._decode_logits
+    eng.runner._decode_logits = lambda h, tails, any_head: steps.append((bool(tails), any_head)) or run(
+        h, tails, any_head)
+    batched = eng.generate(prompts, params)
+    assert (True, True) in steps and (True, False) in steps  # tails beside heads, and tails alone
+    assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+
+
 def test_exact_and_gated_rows_share_a_batch():
     base = base_model(6, 0.2)
     prompts = prompts_of([5, 8, 11], 6)

@@ -254,7 +254,25 @@ class ModelRunner:
             head_rows = torch.tensor(heads, device=dev)
             x[head_rows] = h_think + h_enc[head_rows] if d.head_input == "residual_add" else h_think
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
-        return self.logits(h[:, 0])
+        return self._decode_logits(h[:, 0], tails, bool(heads))
+
+    def _decode_logits(self, h: torch.Tensor, tails: list[int], any_head: bool) -> torch.Tensor:
+        """Logits [B, V] of a plain decode step. With a draft vocabulary, tail rows score only its ids (the
+        rest -inf) whatever else shares the step; a step of tails alone projects onto those ids only."""
+        ids = self.draft_ids
+        if ids is None or not tails:
+            return self.logits(h)
+        if not any_head:
+            small = project(self.model.norm.forward(h), self.draft_head())
+            out = small.new_full((h.shape[0], self.model.config.vocab_size), float("-inf"))
+            out[:, ids] = small
+            return out
+        logits = self.logits(h)
+        rows = torch.tensor(tails, device=h.device)
+        kept = logits[rows][:, ids]
+        logits[rows] = float("-inf")
+        logits[rows[:, None], ids[None, :]] = kept
+        return logits
 
     def _refill(self, seqs: list[Sequence], h_head: torch.Tensor) -> torch.Tensor:
         """Thinking group over each head row's pending tails + the head, right-aligned. → [n, 1, H]."""
