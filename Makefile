@@ -20,7 +20,7 @@ setup: $(STAMP)
 	$(BIN)/dmtd convert
 
 demo: setup
-	$(BIN)/dmtd generate --chat "Explain in three sentences why the sky is blue." --max-new-tokens 96 --profile exact --compare-tau1
+	$(BIN)/dmtd generate --chat "Explain in three sentences why the sky is blue." --max-new-tokens 96 --compare-tau1
 	bash scripts/demo-serve.sh
 
 lint: $(STAMP)
