@@ -131,6 +131,45 @@ def test_tails_follow_their_own_path_the_masked_forward_with_the_realised_heads(
     assert checked >= 10 and len(heads) < len(tokens) - 10  # many tails, accepted and not
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prompt_len", [5, 140])
+def test_a_checked_chunk_scores_each_position_as_that_position_alone(dtype, prompt_len):
+    """A head's check over the last token and its drafts gives, at every position, the very logits a step of that
+    position alone gives (bitwise in bf16): what the exact profile's equality with τ = 1 rests on, at any
+    context length."""
+    from dmtd.engine.config import EngineConfig
+    from dmtd.engine.model import LayerWeights
+
+    base = base_model(5, 0.5)
+    model, verifier = variant_of(base, 0.05, 6)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+        verifier = Verifier(verifier.name, verifier.head_input, [
+            LayerWeights._make(None if t is None else t.to(torch.bfloat16) for t in w) for w in verifier.layers])
+    eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, dtype=dtype),
+                    default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    rid = eng.add_request(prompts_of([prompt_len], 7)[0],
+                          SamplingParams(max_new_tokens=40, cycle_len=1, exact=True, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    seq, runner = eng.seqs[rid], eng.runner
+    drafts, kept = [11, 42, 5], list(seq.token_ids)
+    seq.drafts = list(drafts)
+    chunk = runner.verify([seq])[0]
+    seq.drafts, alone = [], []
+    for d in [*drafts, None]:
+        alone.append(runner.verify([seq])[0, -1])
+        if d is not None:
+            seq.token_ids.append(d)
+    seq.token_ids[:] = kept
+    assert chunk.shape[0] == len(drafts) + 1
+    assert torch.isfinite(chunk).all()
+    if dtype == "bfloat16":  # the packed bf16 kernel computes every row alone: bitwise
+        assert torch.equal(chunk, torch.stack(alone))
+    else:  # float32 products go to torch's matmul, whose rounding may depend on the row count
+        torch.testing.assert_close(chunk, torch.stack(alone), rtol=1e-5, atol=1e-4)
+
+
 def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_existed():
     base = base_model(2, 0.05)
     var, verifier = variant_of(base, 0.05, 2)

@@ -46,6 +46,7 @@ def _decode_layers(
     s_qkv: Optional[List[torch.Tensor]] = None, s_o: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
     s_gu: Optional[List[torch.Tensor]] = None, s_down: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
     amx_rows: int = 1 << 62,
+    row_loop: int = 8,  # shared chunks of up to this many rows attend row by row
 ) -> torch.Tensor:
     B = h.shape[0]
     g = nh // nkv
@@ -75,9 +76,9 @@ def _decode_layers(
             vc[i][s0, :, p0] = v[0]
             keys = kc[i][s0: s0 + 1, :, :read_len]
             vals = vc[i][s0: s0 + 1, :, :read_len]
-        elif shared:  # consecutive positions of one sequence (a verify or draft chunk): keys broadcast
-            kc[i][s0, :, pos] = k.transpose(0, 1)
-            vc[i][s0, :, pos] = v.transpose(0, 1)
+        elif shared:  # consecutive positions p0 - B + 1 .. p0 of one sequence (a verify or draft chunk)
+            kc[i][s0, :, p0 - B + 1: p0 + 1] = k.transpose(0, 1)
+            vc[i][s0, :, p0 - B + 1: p0 + 1] = v.transpose(0, 1)
             keys = kc[i][s0: s0 + 1, :, :read_len]
             vals = vc[i][s0: s0 + 1, :, :read_len]
         else:
@@ -89,10 +90,22 @@ def _decode_layers(
             else:
                 keys = kc[i][:, :, :read_len].index_select(0, slots)
                 vals = vc[i][:, :, :read_len].index_select(0, slots)
-        s = torch.matmul(q.reshape(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
-        a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd).to(h.dtype)
+        if shared and B <= row_loop:
+            # Row by row over its own keys, with exactly the ops of a one-row step at that position: no mask,
+            # no key copy (a broadcast over the rows would copy the keys once per row), and the same value a
+            # step of this row alone computes.
+            qs = q.reshape(B, nkv, g, hd).to(keys.dtype)
+            outs: List[torch.Tensor] = []  # noqa: UP006
+            for b in range(B):
+                n = read_len - B + 1 + b
+                s = torch.matmul(qs[b: b + 1], keys[:, :, :n].transpose(-1, -2)) * scale
+                outs.append(torch.matmul(torch.softmax(s, -1), vals[:, :, :n]))
+            a = torch.cat(outs, 0).reshape(B, nh * hd).to(h.dtype)
+        else:
+            s = torch.matmul(q.reshape(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * scale
+            if mask is not None:
+                s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
+            a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd).to(h.dtype)
         h = h + _lin(a, o[i], s_o, i, mode, amx_rows)
         gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode, amx_rows)
         h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode, amx_rows)

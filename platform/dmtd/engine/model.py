@@ -219,6 +219,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._weights: list[LayerWeights] | None = None
+        self.row_loop = 8  # chunks of one sequence up to this many positions attend row by row (decode_kernel)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         self._weights, self.lm_head_t = None, None  # .to()/.float() may replace the tensors
@@ -239,6 +240,8 @@ class Transformer(nn.Module):
         lo, contiguous = (ctx.slot_range[0], True) if ctx.slot_range is not None else (0, False)
         shared = h.shape[0] == 1 and h.shape[1] > 1  # a chunk of one sequence: its positions become the rows
         rows = h.shape[1] if shared else h.shape[0]
+        if shared and not (int(ctx.write_pos[0]) == ctx.read_len - rows and int(ctx.write_pos[-1]) == ctx.read_len - 1):
+            raise ValueError("a chunk of one sequence must hold consecutive positions ending at read_len - 1")
         mask = None if ctx.attn_mask is None else ctx.attn_mask.reshape(rows, ctx.read_len)
         cos, sin = (ctx.cos[0, 0], ctx.sin[0, 0]) if shared else (ctx.cos[:, 0, 0], ctx.sin[:, 0, 0])
         mode = 0 if isinstance(ws[0].qkv, torch.Tensor) else int(ws[0].qkv.mode)  # packed (dmtd.engine.lowbit)
@@ -257,7 +260,7 @@ class Transformer(nn.Module):
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
             mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
-            AMX_MIN_ROWS,
+            AMX_MIN_ROWS, self.row_loop,
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 
