@@ -90,7 +90,7 @@ def _decode_layers(
             else:
                 keys = kc[i][:, :, :read_len].index_select(0, slots)
                 vals = vc[i][:, :, :read_len].index_select(0, slots)
-        if shared and B <= row_loop:
+        if shared and row_loop >= B:
             # Row by row over its own keys, with exactly the ops of a one-row step at that position: no mask,
             # no key copy (a broadcast over the rows would copy the keys once per row), and the same value a
             # step of this row alone computes.
