@@ -310,3 +310,61 @@ def test_stop_token_inside_accepted_drafts_ends_the_request_there():
     got = exact_engine(base).generate([prompt], SamplingParams(max_new_tokens=20, cycle_len=4, exact=True,
                                                                stop_token_ids=[stop]))[0]
     assert got.token_ids == ref.token_ids[: first + 1] and got.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights(rows):
+    """Drafts of one sequence run each layer group in one call (dmtd::draft_layers) on int8 draft weights: the
+    same values, and the same KV written, as the layer loop over those weights (E = 1 encoding layer, D = 2)."""
+    from dmtd.engine.config import EngineConfig
+
+    dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
+    model = tiny_model(seed=7)
+    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=2, max_model_len=64, draft_quant="int8"),
+                    default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
+    r = eng.runner
+    r.enable_exact()
+    assert r.draft_format == "i8dot" and r._fused is not None
+    g = torch.Generator().manual_seed(0)
+    for k, v in r.kv:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
+    h = torch.randn(rows, 64, generator=g)
+    last, slot = 11, 1
+
+    def reset() -> None:
+        for (k, v), (k0, v0) in zip(r.kv, kv0):
+            k.copy_(k0)
+            v.copy_(v0)
+
+    for start, end in ((0, dmtd.thinking_start), (dmtd.decoding_start, dmtd.num_layers)):
+        reset()
+        fused = r._draft_stack(h, start, end, slot, last)
+        kv_fused = [(k.clone(), v.clone()) for k, v in r.kv]
+        reset()
+        ctx = r._context([slot], torch.arange(last - rows + 1, last + 1)[None], None)
+        with torch.inference_mode():
+            loop = model.run_layers(h[None], start, end, ctx.cos, ctx.sin, r.kv, ctx, r.draft_weights)[0]
+        torch.testing.assert_close(fused, loop, rtol=1e-4, atol=1e-5)
+        for (k, v), (kf, vf) in zip(r.kv, kv_fused):
+            torch.testing.assert_close(kf, k, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(fused, h)
+
+
+@pytest.mark.parametrize("draft_quant", ["int8", "none"])
+def test_int8_drafts_keep_the_output_the_verifiers(draft_quant):
+    base = base_model(4, 0.3)
+    var, verifier = variant_of(base, 0.02, 4)
+    prompts = prompts_of([5, 9, 3], 4)
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=1))
+    from dmtd.engine.config import EngineConfig
+
+    eng = LLMEngine(var, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256, draft_quant=draft_quant),
+                    default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    for batch in (prompts, prompts[:1]):  # a batch (the layer loop) and one sequence (the fused call)
+        got = eng.generate(batch, SamplingParams(max_new_tokens=24, cycle_len=3, exact=True))
+        assert [x.token_ids for x in got] == [x.token_ids for x in ref[: len(batch)]]
+        assert sum(x.num_accepted for x in got) > 0
+    assert eng.runner.draft_format == ("i8dot" if draft_quant == "int8" else None)

@@ -166,3 +166,24 @@ def test_cli_refuses_an_unknown_quantisation_and_one_this_machine_cannot_run():
               env={"DMTD_LOWBIT_KERNELS": "0"})
     assert r.returncode == 2, r.stderr
     assert "quant 'int4' cannot run here" in r.stderr and "supported on this machine: none" in r.stderr
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_i8dot_is_the_int8_weight_times_activations_rounded_per_block_of_64(rows):
+    """The drafts' format: int8 weights with a scale per output row, activations rounded to int8 per block of 64
+    by the kernel (AVX512-VNNI dot products where the CPU has them)."""
+    torch.manual_seed(rows)
+    w = torch.randn(70, 128) * torch.linspace(0.1, 2, 128)
+    p = lowbit.pack(w, "i8dot")
+    assert p.data.dtype == torch.int8 and p.scales.shape == (70,) and p.nbytes == 70 * 128 + 70 * 4
+    x = torch.randn(rows, 128) * torch.linspace(3, 0.01, 128)
+    xb = x.view(rows, 2, 64)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = (torch.round(xb * (127 / amax)) * (amax / 127)).view(rows, 128)
+    y = p.project(x)
+    torch.testing.assert_close(y, xq @ lowbit.unpack(p).t(), rtol=1e-4, atol=1e-3)
+    assert ((y - x @ w.t()).norm() / (x @ w.t()).norm()) < 0.02
+    for i in range(rows):
+        assert torch.equal(p.project(x[i: i + 1])[0], y[i])
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        lowbit.pack(torch.randn(4, 96), "i8dot")

@@ -30,5 +30,8 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                    help="add llama.cpp (llama-cpp-python, `make bench-deps`) on the package's GGUF at batch 1")
     p.add_argument("--exact-precision", default="float32", choices=("float32", "bfloat16", "int8", "int4"),
                    help="precision of the exact-profile rows (float32: their tokens are the verifier's bit for bit)")
+    p.add_argument("--draft-quants", default="auto",
+                   help="exact rows: the drafts' weights, side by side (comma list of auto, none, int8; "
+                   "int8: int8 x int8 dot products, AVX512-VNNI)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot path (default: next to --json)")

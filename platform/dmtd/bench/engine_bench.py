@@ -167,19 +167,25 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     dtype, quant = dtype_quant(args.exact_precision)
     spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), search_dirs=[SHIPPED_VARIANTS])
     threshold = spec.min_confidence if args.draft_threshold is None else args.draft_threshold
+    dqs = [q for q in str(args.draft_quants).split(",") if q] or ["auto"]
     ecfg = EngineConfig(max_num_seqs=max(batches), max_model_len=1024, dtype=dtype, quant=quant)
-    engine = build_engine(spec, ecfg)
-    auto = build_engine(spec, dataclasses.replace(ecfg, adaptive_drafts=True))
-    for e in (engine, auto):
+    engines = {dq: build_engine(spec, dataclasses.replace(ecfg, draft_quant=dq)) for dq in dqs}
+    autos = {dq: build_engine(spec, dataclasses.replace(ecfg, adaptive_drafts=True, draft_quant=dq)) for dq in dqs}
+    for e in [*engines.values(), *autos.values()]:
         e.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, cycle_len=2, exact=True))  # warm-up
     rows = []
     tau_auto = max(taus + [spec.dmtd.tau_max])
-    jobs = [(b, t, False) for b in batches for t in [1, *taus]] + [(b, tau_auto, True) for b in batches]
-    for b, tau, adaptive in tqdm(jobs, desc="bench engine (exact)", unit="config"):
-        r = run_exact(auto if adaptive else engine, b, tau, threshold, args.new_tokens, args.repeats)
-        rows.append({"batch": b, "system": f"auto{tau}" if adaptive else f"exact{tau}", "tau": tau,
-                     "adaptive_drafts": adaptive, **r})
+    jobs = [(b, 1, False, dqs[0]) for b in batches]
+    jobs += [(b, t, False, dq) for b in batches for dq in dqs for t in taus]
+    jobs += [(b, tau_auto, True, dq) for b in batches for dq in dqs]
+    for b, tau, adaptive, dq in tqdm(jobs, desc="bench engine (exact)", unit="config"):
+        e = (autos if adaptive else engines)[dq]
+        r = run_exact(e, b, tau, threshold, args.new_tokens, args.repeats)
+        label = (f"auto{tau}" if adaptive else f"exact{tau}") + (f":{dq}" if len(dqs) > 1 and tau > 1 else "")
+        rows.append({"batch": b, "system": label, "tau": tau, "adaptive_drafts": adaptive,
+                     "draft_format": e.runner.draft_format or "engine", **r})
     add_exact_ratios(rows)
+    engine = engines[dqs[0]]
     return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None,
                   "precision": args.exact_precision}
 
@@ -187,12 +193,12 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
 def print_exact_table(exact: dict[str, Any]) -> None:
     v = exact["variant"]
     print(f"\nexact profile on {v['name']} (verifier: {v['verifier']}; chat prompts, greedy; output = τ = 1's)")
-    print(f"{'batch':>5} {'system':>8} {'tok/s':>8} {'×τ=1':>6} {'bound×':>7} {'of bound':>9} {'accept':>7} "
+    print(f"{'batch':>5} {'system':>12} {'tok/s':>8} {'×τ=1':>6} {'bound×':>7} {'of bound':>9} {'accept':>7} "
           f"{'acc/cyc':>7} {'tail c':>7} {'check c':>7}")
     for r in exact["rows"]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         tail = f"{r['tail_cost']:.2f}" if r["tail_cost"] is not None else "-"
-        print(f"{r['batch']:>5} {r['system']:>8} {r['tok_s']:>8.1f} {r['speedup_vs_tau1']:>6.2f} "
+        print(f"{r['batch']:>5} {r['system']:>12} {r['tok_s']:>8.1f} {r['speedup_vs_tau1']:>6.2f} "
               f"{r['bound_speedup']:>7.2f} {100 * r['pct_of_bound']:>8.0f}% {acc:>7} {r['accepted_per_cycle']:>7.2f} "
               f"{tail:>7} {r['check_cost']:>7.2f}")
 

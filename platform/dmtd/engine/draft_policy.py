@@ -16,6 +16,10 @@ from typing import Any
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior acceptance
+# Passes of a kind (batch size, check width) that are not counted: the first runs of a shape pay one-off costs
+# (TorchScript's profiling runs, lazily packed draft weights) of up to ~7 plain steps, and one such outlier in a
+# running mean kept a request from ever drafting again (nothing drafted, nothing re-measured).
+WARMUP_PASSES = 2
 
 
 @dataclass(slots=True)
@@ -29,12 +33,14 @@ class PassCosts:
     checks: dict[tuple[int, int], float] = field(default_factory=dict)
     drafts: dict[int, float] = field(default_factory=dict)
     draft_rows: float | None = None  # running mean of the rows a draft pass drafts (None: as many as the batch)
+    seen: dict[Any, int] = field(default_factory=dict)  # passes of each kind so far, the uncounted ones too
 
     def observe_check(self, batch: int, positions: int, seconds: float) -> None:
         self._mean(self.checks, (batch, positions), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        self._mean(self.drafts, batch, seconds)
+        if not self._mean(self.drafts, batch, seconds):
+            return
         old = self.draft_rows
         self.draft_rows = batch if old is None else self.decay * old + (1 - self.decay) * batch
 
@@ -51,9 +57,15 @@ class PassCosts:
         size = min(self.drafts, key=lambda k: (abs(k - d), k))  # the measured pass size nearest d
         return self.drafts[size] / d * batch / unit
 
-    def _mean(self, table: dict[Any, float], key: Any, seconds: float) -> None:
+    def _mean(self, table: dict[Any, float], key: Any, seconds: float) -> bool:
+        """Fold ``seconds`` into the running mean of ``key``; False for a warm-up pass, which is not counted."""
+        tag = ("check" if table is self.checks else "draft", key)
+        n = self.seen[tag] = self.seen.get(tag, 0) + 1
+        if n <= WARMUP_PASSES and key not in table:
+            return False
         old = table.get(key)
         table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        return True
 
     def cycle_cost(self, batch: int, num_drafts: int) -> float:
         """Cost of one row's cycle with ``num_drafts`` drafts, in units of that row's share of a one-position

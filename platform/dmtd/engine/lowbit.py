@@ -9,7 +9,10 @@ Formats (weights stored output-major, ``[N, K]``, in groups of 32 along K):
 * ``bf16`` — the weights rounded to bfloat16 (2 bytes each);
 * ``int8`` — a float scale per group of 32, ``w ≈ d·q`` with ``q`` in −127..127 (1.125 bytes each);
 * ``int4`` — a scale and a minimum per group, ``w ≈ d·q + m`` with ``q`` in 0..15 (0.75 bytes each,
-  the layout of GGUF's Q4_1).
+  the layout of GGUF's Q4_1);
+* ``i8dot`` — int8 with one scale per output row, multiplied by activations that the kernel quantises to
+  int8 per block of 64 inputs (AVX512-VNNI integer dot products; ~1 byte each). Coarser than ``int8``: the
+  exact profile's drafts use it (:data:`DRAFT_FORMAT`), whose tokens the base model checks anyway.
 
 The kernels (``kernels/lowbit.cpp``, registered as ``torch.ops.dmtd.linear``) are compiled once for
 the CPU that runs them with the C++ compiler torch's extension builder finds, and cached under
@@ -35,8 +38,9 @@ from dmtd.engine.ops import AMX_MIN_ROWS, cpu_flags
 
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
-MODES = {"bf16": 1, "int8": 2, "int4": 3}
+MODES = {"bf16": 1, "int8": 2, "int4": 3, "i8dot": 4}
 GROUP = 32
+DOT_BLOCK = 64  # i8dot: activations are quantised per block of this many inputs
 SOURCE = Path(__file__).parent / "kernels" / "lowbit.cpp"
 
 _lock = threading.Lock()
@@ -102,7 +106,7 @@ class PackedWeight:
 
     fmt: str  # "bf16" | "int8" | "int4"
     data: torch.Tensor  # [N, K] bf16/int8, or [N, K/2] uint8 (two 4-bit weights per byte)
-    scales: torch.Tensor  # [N, K/32] (int8), [N, K/32, 2] scale and minimum (int4), empty (bf16)
+    scales: torch.Tensor  # [N, K/32] (int8), [N, K/32, 2] scale and minimum (int4), [N] (i8dot), empty (bf16)
     in_features: int
     out_features: int
 
@@ -137,10 +141,15 @@ def pack(w_out_major: torch.Tensor, fmt: str) -> PackedWeight:
         raise ConfigError(f"weight format must be one of {sorted(MODES)}, got {fmt!r}")
     w = w_out_major.detach().float().contiguous()
     N, K = w.shape
-    if K % GROUP:
-        raise ConfigError(f"{fmt} weights need an input size that is a multiple of {GROUP}, got {K}")
+    block = DOT_BLOCK if fmt == "i8dot" else GROUP
+    if K % block:
+        raise ConfigError(f"{fmt} weights need an input size that is a multiple of {block}, got {K}")
     if fmt == "bf16":
         return PackedWeight(fmt, w.to(torch.bfloat16).contiguous(), torch.empty(0), K, N)
+    if fmt == "i8dot":
+        d = w.abs().amax(-1) / 127.0
+        q = torch.round(w / d.clamp(min=1e-30).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return PackedWeight(fmt, q.contiguous(), d.contiguous(), K, N)
     g = w.view(N, K // GROUP, GROUP)
     if fmt == "int8":
         d = g.abs().amax(-1) / 127.0
@@ -159,6 +168,8 @@ def unpack(p: PackedWeight) -> torch.Tensor:
     N, K = p.out_features, p.in_features
     if p.fmt == "bf16":
         return p.data.float()
+    if p.fmt == "i8dot":
+        return p.data.float() * p.scales.unsqueeze(-1)
     if p.fmt == "int8":
         return (p.data.view(N, K // GROUP, GROUP).float() * p.scales.unsqueeze(-1)).view(N, K)
     b = p.data.view(N, K // GROUP, GROUP // 2)
@@ -192,6 +203,30 @@ def weight_format(dtype: str, quant: str, device: str = "cpu") -> str | None:
             raise KernelUnavailable(f"quant {quant!r} cannot run here: {e}; supported on this machine: none") from e
         return quant
     return "bf16" if dtype == "bfloat16" and device == "cpu" and kernels_available() else None
+
+
+def draft_format(draft_quant: str, device: str = "cpu") -> str | None:
+    """The packed format of the exact profile's draft weights (None: the engine's own weights).
+
+    ``auto`` is i8dot on a CPU with AVX512-VNNI where the kernels build (measured ~2x the bf16 kernel's
+    weights/s at one row); ``int8`` asks for it and raises :class:`KernelUnavailable` where it cannot run.
+    """
+    if draft_quant == "none" or device != "cpu":
+        if draft_quant == "int8":
+            raise KernelUnavailable(f"draft_quant 'int8' runs on CPU only (device {device!r})")
+        return None
+    if draft_quant == "auto":
+        return "i8dot" if "avx512_vnni" in cpu_flags() and kernels_available() else None
+    if draft_quant != "int8":
+        raise ConfigError(f"draft_quant must be auto, none or int8, got {draft_quant!r}")
+    load_kernels()
+    return "i8dot"
+
+
+def fits(layers: list, fmt: str) -> bool:
+    """Whether every projection's input size is a multiple of ``fmt``'s block (input-major weights)."""
+    block = DOT_BLOCK if fmt == "i8dot" else GROUP
+    return all(w.shape[0] % block == 0 for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
 
 
 def pack_layers(layers: list, fmt: str) -> list:

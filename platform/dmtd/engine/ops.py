@@ -13,6 +13,11 @@ import torch
 _LIB = torch.library.Library("dmtd", "DEF")
 # y[..., N] = x[..., K] · Wᵀ for a packed weight W (mode 1 bf16, 2 int8 per-group, 3 int4 per-group).
 _LIB.define("linear(Tensor x, Tensor w, Tensor s, int mode) -> Tensor")
+# A draft's layers for one sequence's consecutive positions in one call (dmtd.engine.runner; float32 KV written).
+_LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
+            "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
+            "Tensor(b!)[] vc, Tensor cos, Tensor sin, int slot, int read_len, int nh, int nkv, int hd, float eps, "
+            "int mode) -> Tensor")
 
 
 def cpu_flags() -> set[str]:

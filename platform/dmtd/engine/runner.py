@@ -56,6 +56,11 @@ class ModelRunner:
         self.verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.draft_ids: torch.Tensor | None = None  # restricted tail vocabulary (None = the full one)
         self._draft_head: torch.Tensor | lowbit.PackedWeight | None = None
+        # drafts' weights: the tail path's encoding and decoding groups, packed for speed only (the verifier
+        # checks every draft, so their precision changes acceptance, never the output); set by enable_exact
+        self.draft_format = lowbit.draft_format(cfg.draft_quant, self.device.type)
+        self.draft_weights = self.weights
+        self._fused: list[tuple | None] | None = None  # per layer: dmtd::draft_layers' arguments (one sequence)
 
     def _pack_layers(self, layers: list[LayerWeights], fmt: str | None) -> list[LayerWeights]:
         if fmt is None:
@@ -83,6 +88,16 @@ class ModelRunner:
             self.cache.enable_verify()
             assert self.cache.verify_layers is not None
             self.verify_kv = self.kv[: self.dmtd.decoding_start] + self.cache.verify_layers
+            dense, d, fmt = self.model.layer_weights(), self.dmtd, self.draft_format
+            if fmt is not None and lowbit.fits(dense, fmt) and self.model.config.hidden_size % lowbit.DOT_BLOCK == 0:
+                self.draft_weights = (lowbit.pack_layers(dense[: d.thinking_start], fmt)
+                                      + self.weights[d.thinking_start: d.decoding_start]
+                                      + lowbit.pack_layers(dense[d.decoding_start:], fmt))
+                self._draft_head = None
+                self._fused = fused_draft_args(self.draft_weights, self.kv,
+                                               [*range(d.thinking_start), *range(d.decoding_start, d.num_layers)])
+            else:
+                self.draft_format = None
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
@@ -92,7 +107,13 @@ class ModelRunner:
         """The tail head ``[H, N]``: the lm_head's columns of the draft vocabulary, copied once."""
         if self._draft_head is None:
             full, ids = self.head, self.draft_ids
-            if ids is None:
+            if self.draft_format is not None and self.draft_weights is not self.weights:
+                m = self.model
+                dense = m.lm_head.weight if m.lm_head is not None else m.lm_head_t  # [H, V]
+                assert dense is not None
+                cols = dense if ids is None else dense[:, ids]
+                self._draft_head = lowbit.pack(cols.t(), self.draft_format)
+            elif ids is None:
                 self._draft_head = full
             elif isinstance(full, lowbit.PackedWeight):
                 self._draft_head = full.rows(ids)
@@ -186,9 +207,16 @@ class ModelRunner:
         last = [s.draft_position for s in seqs]
         counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
         ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
+        if self._fused is not None and len(seqs) == 1:  # one sequence: its layers in one call each group
+            s, q = seqs[0], last[0]
+            x = self._draft_stack(m.embed_tokens(ids[0]).to(self.dtype), 0, d.thinking_start, s.slot, q)
+            if counts[0] > 1:
+                x = torch.cat((self.cache.stash[s.slot, s.num_tail_cached: q], x))
+            h = self._draft_stack(x, d.decoding_start, d.num_layers, s.slot, q)
+            return project(m.norm.forward(h[-1:]), self.draft_head())
         ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
         x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
-                         self.weights)
+                         self.draft_weights)
         if max(counts) > 1:
             pos, valid = self._right_aligned(last, counts)
             R = pos.shape[1]
@@ -199,8 +227,23 @@ class ModelRunner:
                 if counts[i] > 1:
                     x[i, R - counts[i]: R - 1] = self.cache.stash[s.slot, s.num_tail_cached: last[i]]
             ctx = self._context(slots, pos, valid)
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.draft_weights)
         return project(m.norm.forward(h[:, -1]), self.draft_head())
+
+    def _draft_stack(self, h: torch.Tensor, start: int, end: int, slot: int, last: int) -> torch.Tensor:
+        """Layers ``start..end`` of the draft path over rows ``h`` [R, H]: one sequence's positions
+        ``last - R + 1 .. last`` (``dmtd::draft_layers``, the packed draft weights)."""
+        if start == end:
+            return h
+        assert self._fused is not None
+        cfg, R = self.model.config, h.shape[0]
+        pos = torch.arange(last - R + 1, last + 1, device=self.device)
+        cols = list(zip(*self._fused[start:end]))
+        cos, sin = self.model.rope_cos, self.model.rope_sin
+        assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
+        return torch.ops.dmtd.draft_layers(
+            h, *cols, cos[pos], sin[pos], slot, last + 1, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, lowbit.MODES[str(self.draft_format)])
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -294,3 +337,23 @@ class ModelRunner:
         out = self.model.run_layers(inp, self.dmtd.thinking_start, self.dmtd.decoding_start, ctx.cos, ctx.sin,
                                     self.kv, ctx, self.weights)
         return out[:, -1:]
+
+
+def fused_draft_args(layers: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     used: list[int]) -> list[tuple | None] | None:
+    """Per layer in ``used`` (else None), ``dmtd::draft_layers``' arguments: norms as float32, the packed
+    projections, the KV pair. None where a used layer has what the op does not compute (qkv bias, q/k norms)
+    or its KV is not contiguous float32."""
+    out: list[tuple | None] = [None] * len(layers)
+    for i in used:
+        w, (k, v) = layers[i], kv[i]
+        if w.qkv_bias is not None or w.q_norm is not None or w.k_norm is not None:
+            return None
+        if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+            return None
+        ps = [p for p in (w.qkv, w.o, w.gate_up, w.down) if isinstance(p, lowbit.PackedWeight)]
+        if len(ps) < 4:
+            return None
+        packed = [getattr(p, a) for p in ps for a in ("data", "scales")]
+        out[i] = (w.ln1.float().contiguous(), *packed[:4], w.ln2.float().contiguous(), *packed[4:], k, v)
+    return out

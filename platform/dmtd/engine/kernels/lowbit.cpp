@@ -11,7 +11,9 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -25,7 +27,8 @@ namespace {
 constexpr int64_t G = 32;   // weights per group
 constexpr int64_t MB = 8;   // activation rows per weight pass
 
-enum Mode : int64_t { BF16 = 1, INT8 = 2, INT4 = 3 };
+enum Mode : int64_t { BF16 = 1, INT8 = 2, INT4 = 3, I8DOT = 4 };
+constexpr int64_t QB = 64;  // I8DOT: activations quantised per block of 64 along K
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -142,14 +145,106 @@ void rows(int64_t mb, int64_t mode, const uint8_t* w, const float* s, const floa
   }
 }
 
+// I8DOT (drafts only): int8 weights with one scale per output row, times activations quantised on the fly to
+// int8 per block of 64 (scale max|x|/127). The integer products are summed by AVX512-VNNI (vpdpbusd: unsigned ×
+// signed bytes, so the activations' magnitudes are the unsigned side and their signs move onto the weights), a
+// block at a time, then scaled and summed in float. No per-weight conversion: the weights stream at memory speed.
+struct QuantX {
+  std::vector<uint8_t> mag;   // [M, K] |q|
+  std::vector<uint64_t> neg;  // [M, K/64] bit j: q_j < 0
+  std::vector<float> d;       // [M, K/64] block scales
+};
+
+QuantX quantise_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QB;
+  QuantX q{std::vector<uint8_t>(M * K), std::vector<uint64_t>(M * nb), std::vector<float>(M * nb)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * QB;
+      float amax = 0.f;
+      for (int64_t j = 0; j < QB; ++j) amax = std::max(amax, std::abs(xb[j]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      uint64_t neg = 0;
+      for (int64_t j = 0; j < QB; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+        q.mag[m * K + b * QB + j] = static_cast<uint8_t>(v < 0 ? -v : v);
+        if (v < 0) neg |= uint64_t{1} << j;
+      }
+      q.neg[m * nb + b] = neg;
+      q.d[m * nb + b] = d;
+    }
+  }
+  return q;
+}
+
+template <int MBT>
+void i8dot_kernel(const int8_t* w, const float* s, const QuantX& q, float* y, int64_t K, int64_t N, int64_t m0,
+                  int64_t n0, int64_t n1) {
+  const int64_t nb = K / QB;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[MBT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MBT; ++i) acc[i] = _mm512_setzero_ps();
+    const int8_t* wr = w + n * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512i wv = _mm512_loadu_si512(wr + b * QB);
+#pragma GCC unroll 8
+      for (int i = 0; i < MBT; ++i) {
+        const int64_t m = m0 + i;
+        const __m512i ws = _mm512_mask_sub_epi8(wv, static_cast<__mmask64>(q.neg[m * nb + b]), zero, wv);
+        const __m512i xv = _mm512_loadu_si512(q.mag.data() + m * K + b * QB);
+        const __m512i dot = _mm512_dpbusd_epi32(zero, xv, ws);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.d[m * nb + b]), acc[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MBT; ++i) y[(m0 + i) * N + n] = s[n] * _mm512_reduce_add_ps(acc[i]);
+  }
+#else
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    for (int i = 0; i < MBT; ++i) {
+      const int64_t m = m0 + i;
+      float t = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        const uint64_t neg = q.neg[m * nb + b];
+        for (int64_t j = 0; j < QB; ++j) {
+          const int32_t v = q.mag[m * K + b * QB + j];
+          dot += ((neg >> j) & 1 ? -v : v) * static_cast<int32_t>(wr[b * QB + j]);
+        }
+        t += static_cast<float>(dot) * q.d[m * nb + b];
+      }
+      y[m * N + n] = s[n] * t;
+    }
+  }
+#endif
+}
+
+void i8dot_rows(int64_t mb, const int8_t* w, const float* s, const QuantX& q, float* y, int64_t K, int64_t N,
+                int64_t m0, int64_t n0, int64_t n1) {
+  switch (mb) {
+    case 1: return i8dot_kernel<1>(w, s, q, y, K, N, m0, n0, n1);
+    case 2: return i8dot_kernel<2>(w, s, q, y, K, N, m0, n0, n1);
+    case 3: return i8dot_kernel<3>(w, s, q, y, K, N, m0, n0, n1);
+    case 4: return i8dot_kernel<4>(w, s, q, y, K, N, m0, n0, n1);
+    case 5: return i8dot_kernel<5>(w, s, q, y, K, N, m0, n0, n1);
+    case 6: return i8dot_kernel<6>(w, s, q, y, K, N, m0, n0, n1);
+    case 7: return i8dot_kernel<7>(w, s, q, y, K, N, m0, n0, n1);
+    default: return i8dot_kernel<8>(w, s, q, y, K, N, m0, n0, n1);
+  }
+}
+
 // x [..., K] (float32 or bfloat16) → y [..., N] in x's dtype; w: packed [N, K] (bf16 / int8) or [N, K/2] (int4).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t mode) {
-  TORCH_CHECK(mode == BF16 || mode == INT8 || mode == INT4, "dmtd::linear: unknown mode ", mode);
+  TORCH_CHECK(mode >= BF16 && mode <= I8DOT, "dmtd::linear: unknown mode ", mode);
   TORCH_CHECK(w.is_contiguous() && s.is_contiguous(), "dmtd::linear: packed weights must be contiguous");
   const int64_t N = w.size(0);
   const int64_t K = mode == INT4 ? w.size(1) * 2 : w.size(1);
   TORCH_CHECK(x.size(-1) == K, "dmtd::linear: x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(K % G == 0, "dmtd::linear: K must be a multiple of ", G);
+  TORCH_CHECK(K % (mode == I8DOT ? QB : G) == 0, "dmtd::linear: K must be a multiple of ", mode == I8DOT ? QB : G);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   at::Tensor x32 = x.reshape({-1, K}).to(at::kFloat).contiguous();
@@ -166,9 +261,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   // at the barrier while the other one waits. Which thread computes a row does not change its value.
   const int64_t chunks = (N + 15) / 16;
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks / 2));
+  QuantX q;
+  if (mode == I8DOT) q = quantise_rows(xp, M, K);
+  const int8_t* w8 = reinterpret_cast<const int8_t*>(wp);
   auto chunk = [&](int64_t c) {
     const int64_t n0 = c * 16, n1 = std::min(n0 + 16, N);
-    for (int64_t m0 = 0; m0 < M; m0 += MB) rows(std::min(MB, M - m0), mode, wp, sp, xp, yp, K, N, m0, n0, n1);
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      if (mode == I8DOT) i8dot_rows(std::min(MB, M - m0), w8, sp, q, yp, K, N, m0, n0, n1);
+      else rows(std::min(MB, M - m0), mode, wp, sp, xp, yp, K, N, m0, n0, n1);
+    }
   };
   if (T <= 1 || at::in_parallel_region()) {
     for (int64_t c = 0; c < chunks; ++c) chunk(c);
@@ -192,6 +293,117 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+
+// The layers of a draft (verified cycles' tails) for one sequence in one call: rows are its consecutive positions
+// ending at read_len − 1 in KV slot `slot` (one new position, or a catch-up chunk). The same computation as
+// dmtd.engine.model.layer_forward (pre-norm attention with rope and GQA over the float32 KV cache, then a SwiGLU
+// MLP), in float32 throughout, with the packed projections' kernel; the TorchScript loop spends ~45 tensor ops a
+// layer on it. Drafts only: the verifier checks every token they propose, so nothing here touches the output.
+namespace {
+
+void rms_rows(const float* x, const float* w, float* y, int64_t R, int64_t H, float eps) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * H;
+    float ss = 0.f;
+    for (int64_t j = 0; j < H; ++j) ss += xr[j] * xr[j];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t j = 0; j < H; ++j) y[r * H + j] = xr[j] * inv * w[j];
+  }
+}
+
+// rotate_half rope with the signed-sin table: out[j] = x[j]·cos[j] + x[j ± hd/2]·sin[j]
+void rope_head(float* x, const float* c, const float* sn, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    x[j] = a * c[j] + b * sn[j];
+    x[j + half] = b * c[j + half] + a * sn[j + half];
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dmtd, CPU, m) { m.impl("linear", &linear); }
+at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
+                        at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
+                        at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
+                        at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t slot,
+                        int64_t read_len, int64_t nh, int64_t nkv, int64_t hd, double eps_d, int64_t mode) {
+  const int64_t R = h_in.size(0), H = h_in.size(1), L = static_cast<int64_t>(ln1.size());
+  TORCH_CHECK(R >= 1 && R <= read_len, "dmtd::draft_layers: ", R, " rows for ", read_len, " positions");
+  TORCH_CHECK(nh % nkv == 0 && hd % 2 == 0, "dmtd::draft_layers: bad head shape");
+  at::Tensor h = h_in.to(at::kFloat).contiguous().clone();
+  const at::Tensor cs = cos_in.to(at::kFloat).contiguous(), sn = sin_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(cs.size(0) == R && cs.size(1) == hd && sn.sizes() == cs.sizes(), "dmtd::draft_layers: rope tables");
+  const int64_t qd = nh * hd, kvd = nkv * hd, g = nh / nkv, p0 = read_len - R;
+  const float eps = static_cast<float>(eps_d), scale = 1.f / std::sqrt(static_cast<float>(hd));
+  at::Tensor x = at::empty({R, H}, h.options());
+  at::Tensor att = at::empty({R, qd}, h.options());
+  std::vector<float> sc(read_len);
+  float* hp = h.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < L; ++i) {
+    TORCH_CHECK(kc[i].scalar_type() == at::kFloat && kc[i].is_contiguous() && vc[i].is_contiguous(),
+                "dmtd::draft_layers: the KV cache must be contiguous float32");
+    const int64_t maxlen = kc[i].size(2);
+    TORCH_CHECK(read_len <= maxlen && slot < kc[i].size(0), "dmtd::draft_layers: slot or position out of range");
+    rms_rows(hp, ln1[i].data_ptr<float>(), xp, R, H, eps);
+    at::Tensor y = linear(x, qkv_w[i], qkv_s[i], mode).contiguous();  // [R, qd + 2 kvd]
+    float* yp = y.data_ptr<float>();
+    float* kb = kc[i].data_ptr<float>() + slot * nkv * maxlen * hd;
+    float* vb = vc[i].data_ptr<float>() + slot * nkv * maxlen * hd;
+    for (int64_t r = 0; r < R; ++r) {
+      float* yr = yp + r * (qd + 2 * kvd);
+      for (int64_t hh = 0; hh < nh + nkv; ++hh) rope_head(yr + hh * hd, cs.data_ptr<float>() + r * hd,
+                                                        sn.data_ptr<float>() + r * hd, hd);
+      for (int64_t kv = 0; kv < nkv; ++kv) {
+        std::memcpy(kb + (kv * maxlen + p0 + r) * hd, yr + qd + kv * hd, hd * sizeof(float));
+        std::memcpy(vb + (kv * maxlen + p0 + r) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
+      }
+    }
+    float* ap = att.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t n = p0 + r + 1;  // keys 0 .. its own position
+      for (int64_t hq = 0; hq < nh; ++hq) {
+        const float* q = yp + r * (qd + 2 * kvd) + hq * hd;
+        const float* kk = kb + (hq / g) * maxlen * hd;
+        const float* vv = vb + (hq / g) * maxlen * hd;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) {
+          float d = 0.f;
+          for (int64_t j = 0; j < hd; ++j) d += q[j] * kk[t * hd + j];
+          sc[t] = d * scale;
+          mx = std::max(mx, sc[t]);
+        }
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+        float* o = ap + r * qd + hq * hd;
+        for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          const float w = sc[t] / sum;
+          for (int64_t j = 0; j < hd; ++j) o[j] += w * vv[t * hd + j];
+        }
+      }
+    }
+    h.add_(linear(att, o_w[i], o_s[i], mode));
+    rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
+    at::Tensor gu = linear(x, gu_w[i], gu_s[i], mode).contiguous();
+    const int64_t inter = gu.size(1) / 2;
+    at::Tensor act = at::empty({R, inter}, h.options());
+    const float* gp = gu.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < inter; ++j) {
+        const float a = gp[r * 2 * inter + j];
+        actp[r * inter + j] = a / (1.f + std::exp(-a)) * gp[r * 2 * inter + inter + j];
+      }
+    h.add_(linear(act, dn_w[i], dn_s[i], mode));
+  }
+  return h.to(h_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dmtd, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("draft_layers", &draft_layers);
+}
