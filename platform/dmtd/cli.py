@@ -131,11 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.decoding_layers is not None and variant != "none":
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.profile is not None:
-        wants_exact: bool | None = args.profile == "exact"
-    else:
-        wants_exact = None  # the variant's default profile decides
-    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS], wants_exact)
+    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS])
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
@@ -145,7 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, cycle_len=tau,
-        min_confidence=spec.min_confidence if args.min_confidence is None else args.min_confidence,
+        min_confidence=args.min_confidence if args.min_confidence is not None
+        else spec.draft_threshold if profile == "exact" else spec.min_confidence,
         exact=profile == "exact",
     )
     prompt = [{"role": "user", "content": args.chat}] if args.chat is not None else args.prompt

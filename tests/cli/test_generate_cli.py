@@ -75,10 +75,12 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     a = json.loads(auto.stdout.strip().splitlines()[-1])
     assert a["drafts"] == "adaptive" and "adaptive drafts" in auto.stderr
     assert a["tokens_match_tau1"] is True and a["token_ids"] == out["token_ids"]
-    assert out["dtype"] == "float32"  # auto precision for the exact profile: bit-for-bit verifier tokens
+    from dmtd.engine.lowbit import resolve_dtype
+
+    assert out["dtype"] == resolve_dtype("auto", "cpu")  # auto precision: bfloat16 on AVX-512, the exact profile too
     # and τ = 1 of the exact profile is the base model itself (in the same precision)
     base = dmtd("generate", "--variant", "none", "--chat", "Name three colours.", "--max-new-tokens", "24", "--json",
-                "--dtype", "float32")
+                "--dtype", out["dtype"])
     assert json.loads(base.stdout.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
 
 

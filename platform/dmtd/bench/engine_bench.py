@@ -166,7 +166,7 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
 
     dtype, quant = dtype_quant(args.exact_precision)
     spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), search_dirs=[SHIPPED_VARIANTS])
-    threshold = spec.min_confidence if args.draft_threshold is None else args.draft_threshold
+    threshold = spec.draft_threshold if args.draft_threshold is None else args.draft_threshold
     dqs = [q for q in str(args.draft_quants).split(",") if q] or ["auto"]
     ecfg = EngineConfig(max_num_seqs=max(batches), max_model_len=1024, dtype=dtype, quant=quant)
     engines = {dq: build_engine(spec, dataclasses.replace(ecfg, draft_quant=dq)) for dq in dqs}

@@ -36,6 +36,10 @@ class VariantManifest(BaseModel):
     tau_max: int = Field(4, ge=1, le=16, description="Largest cycle length the variant serves")
     default_tau: int = Field(3, ge=1, description="τ used when a request does not ask")
     min_confidence: float = Field(0.0, ge=0.0, le=1.0, description="Default confidence gate")
+    draft_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="exact profile: stop drafting at a draft whose top-1 probability is "
+        "below this (None = min_confidence); with adaptive drafts the measured acceptance and pass costs decide "
+        "the rest")
     phase_anchor: PhaseAnchor = "prompt_end"
     head_input: HeadInput = "replace"
     description: str = ""
