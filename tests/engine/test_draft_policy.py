@@ -89,3 +89,20 @@ def test_exploring_cycles_draft_only_where_a_draft_could_pay(draft_s, explores):
         assert 0 < res.drafted_by_pos[0] <= 48 // 8 + 1  # the 1-in-8 exploring cycles, one draft each
     else:
         assert res.num_drafted == 0
+
+
+def test_rarely_measured_costs_follow_the_machines_speed():
+    """A check over 3 positions measured in a slow spell (every pass twice as slow) must not read as costly once
+    the machine is fast again: rarely measured entries are scaled by the one-position check's drift since."""
+    costs = PassCosts(decay=0.5)
+    for _ in range(4):
+        costs.observe_check(1, 1, 2.0)  # slow spell
+    for _ in range(4):
+        costs.observe_check(1, 3, 2.4)
+        costs.observe_draft(1, 0.4)
+    assert costs.cycle_cost(1, 2) == pytest.approx(1.2 + 2 * 0.2)
+    for _ in range(12):
+        costs.observe_check(1, 1, 1.0)  # fast again; nothing else measured meanwhile
+    assert costs.checks[(1, 1)] == pytest.approx(1.0, abs=1e-3)
+    assert costs.cycle_cost(1, 2) == pytest.approx(1.2 + 2 * 0.2, rel=1e-3)  # not 2.4 + 2 * 0.4
+    assert best_num_drafts(2, 1, costs, [7, 5], [10, 7]) >= 1  # at the stale 2.4 + 2 × 0.4 it drafted none

@@ -34,12 +34,18 @@ class PassCosts:
     drafts: dict[int, float] = field(default_factory=dict)
     draft_rows: float | None = None  # running mean of the rows a draft pass drafts (None: as many as the batch)
     seen: dict[Any, int] = field(default_factory=dict)  # passes of each kind so far, the uncounted ones too
+    # the one-position check time (of the batch size then) when an entry was last updated: an entry measured
+    # rarely (a longer check, a draft, while little is drafted) is scaled by how the machine's speed has moved
+    # since, so a slow spell then or now does not read as a costly draft for good (measured: adaptive drafting
+    # that paid 1.3x on one run of a prompt stopped on the next, the same engine, after such a spell)
+    units_at: dict[Any, tuple[tuple[int, int], float]] = field(default_factory=dict)
 
     def observe_check(self, batch: int, positions: int, seconds: float) -> None:
-        self._mean(self.checks, (batch, positions), seconds)
+        self._mean(self.checks, (batch, positions), seconds, (batch, 1))
 
-    def observe_draft(self, batch: int, seconds: float) -> None:
-        if not self._mean(self.drafts, batch, seconds):
+    def observe_draft(self, batch: int, seconds: float, running: int | None = None) -> None:
+        """A draft pass of ``batch`` rows while ``running`` sequences (default: those rows) share the steps."""
+        if not self._mean(self.drafts, batch, seconds, (running or batch, 1)):
             return
         old = self.draft_rows
         self.draft_rows = batch if old is None else self.decay * old + (1 - self.decay) * batch
@@ -55,16 +61,27 @@ class PassCosts:
             return self.tail_prior
         d = max(1, min(batch, round(self.draft_rows if self.draft_rows is not None else batch)))
         size = min(self.drafts, key=lambda k: (abs(k - d), k))  # the measured pass size nearest d
-        return self.drafts[size] / d * batch / unit
+        return self._now(self.drafts, size) / d * batch / unit
 
-    def _mean(self, table: dict[Any, float], key: Any, seconds: float) -> bool:
+    def _now(self, table: dict[Any, float], key: Any) -> float:
+        """An entry's seconds at the machine's current speed (scaled by its one-position check's drift)."""
+        ref = self.units_at.get(("check" if table is self.checks else "draft", key))
+        if ref is None:
+            return table[key]
+        unit = self.checks.get(ref[0])
+        return table[key] * unit / ref[1] if unit is not None and ref[0] != key else table[key]
+
+    def _mean(self, table: dict[Any, float], key: Any, seconds: float, unit_key: tuple[int, int]) -> bool:
         """Fold ``seconds`` into the running mean of ``key``; False for a warm-up pass, which is not counted."""
         tag = ("check" if table is self.checks else "draft", key)
         n = self.seen[tag] = self.seen.get(tag, 0) + 1
         if n <= WARMUP_PASSES and key not in table:
             return False
-        old = table.get(key)
+        old = self._now(table, key) if key in table else None
         table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        unit = self.checks.get(unit_key)
+        if unit is not None and unit_key != key:
+            self.units_at[tag] = (unit_key, unit)
         return True
 
     def cycle_cost(self, batch: int, num_drafts: int) -> float:
@@ -73,7 +90,7 @@ class PassCosts:
         unit = self.checks.get((batch, 1))
         if unit is None:
             return 1 + num_drafts * (self.check_prior_per_position + self.tail_prior)
-        check = self.checks.get((batch, num_drafts + 1))
+        check = self._now(self.checks, (batch, num_drafts + 1)) if (batch, num_drafts + 1) in self.checks else None
         check_cost = check / unit if check is not None else 1 + num_drafts * self.check_prior_per_position
         return check_cost + num_drafts * self.tail_share(batch, unit)
 

@@ -270,7 +270,7 @@ class LLMEngine:
     def _draft(self, seqs: list[Sequence]) -> list[StepOutput]:
         """A tail step of verified cycles: one draft per row, nothing emitted."""
         logits, dt = self._timed("draft", self.runner.draft, seqs)
-        self.pass_costs.observe_draft(len(seqs), dt)
+        self.pass_costs.observe_draft(len(seqs), dt, len(self.scheduler.running))
         d = pick_drafts(logits, self.runner.draft_ids, [s.params for s in seqs],
                         [self._gens.get(s.req_id) for s in seqs])
         results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])

@@ -1,0 +1,72 @@
+"""The exact profile on the eight chat prompts of `dmtd bench engine` (none of them in the training corpus): per
+prompt, the τ = 1 run and each configuration on one engine, greedy, up to 96 new tokens (EOS ends a request, as in
+`dmtd generate`); prints speed ÷ τ = 1, drafts accepted / made, and checks that the tokens equal τ = 1's.
+
+    .venv/bin/python scripts/exact_chats.py --configs a3:0,f2:0 --dtype bfloat16 --draft-quants auto,none
+
+A configuration is ``<a|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
+``f`` fixed (up to τ − 1 drafts a cycle). Each prompt runs its configurations right after its own τ = 1 run, so
+machine drift between prompts cancels in the ratios; ``--rounds`` repeats the whole sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+from dmtd.bench.exact_bench import CHATS
+from dmtd.cli import SHIPPED_VARIANTS
+from dmtd.engine.config import EngineConfig
+from dmtd.engine.sequence import SamplingParams
+from dmtd.variants.build import build_engine, engine_spec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="a3:0,f2:0")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--draft-quants", default="auto", help="drafts' weights, side by side: auto, none, int8")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    spec = engine_spec(None, "smollm2-135m-dmtd", None, dtype=getattr(torch, args.dtype), device="cpu",
+                       search_dirs=[SHIPPED_VARIANTS])
+    dqs = args.draft_quants.split(",")
+    cfg = EngineConfig(max_num_seqs=1, max_model_len=4096, dtype=args.dtype)
+    engines = {(a, dq): build_engine(spec, dataclasses.replace(cfg, adaptive_drafts=a, draft_quant=dq))
+               for a in (False, True) for dq in dqs}
+    configs = [(c + (f"/{dq}" if len(dqs) > 1 else ""), c[0] == "a", int(c[1:].split(":")[0]),
+                float(c.split(":")[1]), dq) for dq in dqs for c in args.configs.split(",")]
+
+    def run(engine: tuple[bool, str], prompt: str, tau: int, threshold: float) -> tuple[list[int], float, int, int]:
+        r = engines[engine].generate([[{"role": "user", "content": prompt}]], SamplingParams(
+            max_new_tokens=args.max_new_tokens, cycle_len=tau, exact=True, min_confidence=threshold))[0]
+        return r.token_ids, (len(r.token_ids) - 1) / r.decode_time_s, r.num_accepted, r.num_drafted
+
+    for key in engines:  # warm-up: first runs of each shape pay one-off costs
+        run(key, CHATS[0], 3, 0.0)
+    speed: dict[str, list[float]] = {c[0]: [] for c in configs}  # name: speed ÷ τ = 1, per prompt and round
+    identical = total = 0
+    for rnd in range(args.rounds):
+        for prompt in CHATS:
+            ref, base, _, _ = run((False, dqs[0]), prompt, 1, 0.0)
+            line = f"{prompt[:34]:34s} {len(ref) - 1:3d} tok"
+            for name, adaptive, tau, threshold, dq in configs:
+                ids, tok_s, acc, made = run((adaptive, dq), prompt, tau, threshold)
+                identical += ids == ref
+                total += 1
+                speed[name].append(tok_s / base)
+                line += f" | {name} {tok_s / base:.2f}x {acc}/{made}"
+            print(f"[{rnd + 1}] {line}", flush=True)
+    print(f"tokens identical to τ = 1's: {identical} of {total} runs ({args.dtype})")
+    for name, xs in speed.items():
+        print(f"{name}: mean {statistics.mean(xs):.3f}x  median {statistics.median(xs):.3f}x  "
+              f"min {min(xs):.2f}x  max {max(xs):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
