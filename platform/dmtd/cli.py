@@ -131,7 +131,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.decoding_layers is not None and variant != "none":
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS])
+    wants_exact = None if args.profile is None else args.profile == "exact"  # None: the variant's default
+    # one request on its own engine: bf16 exact tokens are the bf16 verifier's bit for bit (variant_precision)
+    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS], wants_exact,
+                                     one_sequence=True)
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,

@@ -239,14 +239,17 @@ def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine
 
 
 def variant_precision(variant: str | None, dtype: str | None, quant: str | None, device: str,
-                      search_dirs: list[Path] | None = None) -> tuple[str, str]:
+                      search_dirs: list[Path] | None = None, exact: bool | None = None,
+                      one_sequence: bool = False) -> tuple[str, str]:
     """dtype and quantisation to run: as given, else the variant manifest's recommendation, else auto / none.
 
-    ``auto`` is bfloat16 on a CPU with AVX-512 (:func:`dmtd.engine.lowbit.resolve_dtype`), for the exact profile
-    too: its tokens are then those of the verifier in bfloat16 at τ = 1 on the same engine (a checked position is
-    computed as that position alone: row-independent kernels, row-by-row chunk attention), and float32's bit-for-
-    bit equality with the float32 verifier is one ``--dtype float32`` away. Verified cycles pay in bfloat16 and
-    not in float32 here (docs/benchmarks.md): a float32 check over several positions costs far more than one.
+    ``auto`` is bfloat16 on a CPU with AVX-512 (:func:`dmtd.engine.lowbit.resolve_dtype`), except for the exact
+    profile (``exact``; None: the variant's default profile) on an engine that batches requests, where it is
+    float32. Verified cycles give the verifier's tokens bit for bit in float32 at any batch; in bfloat16 they do
+    for one sequence at a time (``one_sequence``: a checked position is computed as that position alone —
+    row-independent kernels, row-by-row chunk attention), while across a batch a row's rounding depends on what
+    shares its step. And verified cycles pay in bfloat16, not in float32 (a float32 check over several
+    positions costs far more than one).
     """
     from dmtd.engine.lowbit import resolve_dtype
     from dmtd.variants.paths import SHIPPED_VARIANTS
@@ -254,8 +257,14 @@ def variant_precision(variant: str | None, dtype: str | None, quant: str | None,
     manifest = None
     if variant not in (None, "none") and (dtype is None or quant is None):
         manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
+    if variant not in (None, "none") and manifest is None and exact is None:
+        manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
     dtype = dtype or (manifest.dtype if manifest is not None else "auto")
     quant = quant or (manifest.quant if manifest is not None else "none")
     if dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if exact is None:
+        exact = manifest is not None and manifest.default_profile == "exact"
+    if dtype == "auto" and exact and not one_sequence:
+        return "float32", quant
     return resolve_dtype(dtype, device), quant
