@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, run_exact
 from dmtd.bench.roofline import measure_rates
+from dmtd.engine import lowbit
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import RequestError, SamplingParams
@@ -86,6 +87,12 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
           f"fp32 matmul {rates.matmul_gflop_s:.0f} GFLOP/s")
     streams = {p: pb.stream_gb_s(p) for p in precisions}
     print("  weight streaming per format (GB/s): " + ", ".join(f"{p} {v:.1f}" for p, v in streams.items()))
+    if args.variant != "none" and args.exact_taus and lowbit.draft_format(
+            "int8" if "int8" in str(args.draft_quants).split(",") else "auto") is not None:
+        streams["i8dot"] = pb.stream_gb_s("i8dot")  # the exact profile's drafts (EngineConfig.draft_quant)
+        gw = {p: streams[p] / pb.WEIGHT_BYTES[p] for p in ("bfloat16", "i8dot") if p in streams}
+        print("  weights per second at one row (G/s): " + ", ".join(f"{p} {v:.1f}" for p, v in gw.items())
+              + "  (i8dot: the exact profile's drafts)")
     context = args.prompt_len + args.new_tokens // 2
     rows: list[dict[str, Any]] = []
     quality: dict[str, tuple[list[list[int]], list[list[int]]]] = {}

@@ -24,7 +24,7 @@ from dmtd.variants.smollm2 import gguf_path as smollm2_gguf
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
 # bytes a decode step reads per weight (int formats: a float32 scale, and a minimum for int4, per 32 weights)
-WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.125, "int4": 0.75}
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.125, "int4": 0.75, "i8dot": 1.0}
 
 
 def parse_precisions(text: str) -> list[str]:
@@ -87,7 +87,7 @@ def stream_gb_s(precision: str, working_set_mb: int = 512, repeats: int = 3) -> 
         fmt = "bf16" if precision == "bfloat16" else precision
         n = int(working_set_mb * 2 ** 20 / (3072 * 576 * WEIGHT_BYTES[precision]))
         mats = [lowbit.pack(torch.randn(3072, 576), fmt) for _ in range(n)]
-        x = torch.randn(1, 576, dtype=torch.bfloat16 if precision == "bfloat16" else torch.float32)
+        x = torch.randn(1, 576, dtype=torch.bfloat16 if precision in ("bfloat16", "i8dot") else torch.float32)
 
         def run() -> None:
             for m in mats:
