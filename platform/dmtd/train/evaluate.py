@@ -82,8 +82,8 @@ class Evaluator:
         self.plain = DMTDConfig.plain(L, 1)
 
     def engine(self, model: Transformer, dmtd: DMTDConfig, batch: int, exact: bool = False) -> LLMEngine:
-        """An engine over ``model``; ``exact``: with the variant's verifier and draft vocabulary, drafting adaptively
-        (the count that pays, as `dmtd generate` and `dmtd serve` do by default).
+        """An engine over ``model``; ``exact``: with the variant's verifier and draft vocabulary, drafting up to
+        τ − 1 every cycle (fixed: the acceptance by tail position is what the exact rows report).
 
         In ``cfg.dtype`` / ``cfg.quant`` (bfloat16: on a bf16 copy of the model and verifier; judging and
         teacher forcing stay float32)."""
@@ -97,7 +97,7 @@ class Evaluator:
                     for w in verifier.layers])
         return LLMEngine(model, self.tokenizer, dmtd,
                          EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device,
-                                      dtype=self.cfg.dtype, quant=self.cfg.quant, adaptive_drafts=exact),
+                                      dtype=self.cfg.dtype, quant=self.cfg.quant),
                          default_cycle_len=1, verifier=verifier, draft_vocab=self.draft_vocab if exact else None)
 
     # -- judged generations -----------------------------------------------------------------------
