@@ -63,17 +63,18 @@ class PassCosts:
         size = min(self.drafts, key=lambda k: (abs(k - d), k))  # the measured pass size nearest d
         return self._now(self.drafts, size) / d * batch / unit
 
+    def _tag(self, table: dict[Any, float], key: Any) -> tuple[str, Any]:
+        return ("check" if table is self.checks else "draft", key)
+
     def _now(self, table: dict[Any, float], key: Any) -> float:
         """An entry's seconds at the machine's current speed (scaled by its one-position check's drift)."""
-        ref = self.units_at.get(("check" if table is self.checks else "draft", key))
-        if ref is None:
-            return table[key]
-        unit = self.checks.get(ref[0])
-        return table[key] * unit / ref[1] if unit is not None and ref[0] != key else table[key]
+        ref = self.units_at.get(self._tag(table, key))
+        unit = None if ref is None else self.checks.get(ref[0])
+        return table[key] if ref is None or unit is None else table[key] * unit / ref[1]
 
     def _mean(self, table: dict[Any, float], key: Any, seconds: float, unit_key: tuple[int, int]) -> bool:
         """Fold ``seconds`` into the running mean of ``key``; False for a warm-up pass, which is not counted."""
-        tag = ("check" if table is self.checks else "draft", key)
+        tag = self._tag(table, key)
         n = self.seen[tag] = self.seen.get(tag, 0) + 1
         if n <= WARMUP_PASSES and key not in table:
             return False

@@ -12,7 +12,7 @@ Formats (weights stored output-major, ``[N, K]``, in groups of 32 along K):
   the layout of GGUF's Q4_1);
 * ``i8dot`` — int8 with one scale per output row, multiplied by activations that the kernel quantises to
   int8 per block of 64 inputs (AVX512-VNNI integer dot products; ~1 byte each). Coarser than ``int8``: the
-  exact profile's drafts use it (:data:`DRAFT_FORMAT`), whose tokens the base model checks anyway.
+  exact profile's drafts use it (:func:`draft_format`), whose tokens the base model checks anyway.
 
 The kernels (``kernels/lowbit.cpp``, registered as ``torch.ops.dmtd.linear``) are compiled once for
 the CPU that runs them with the C++ compiler torch's extension builder finds, and cached under
@@ -104,7 +104,7 @@ def kernels_available() -> bool:
 class PackedWeight:
     """A projection's weight in a packed format; ``project(x)`` is ``x @ W`` for the dense ``W [K, N]``."""
 
-    fmt: str  # "bf16" | "int8" | "int4"
+    fmt: str  # "bf16" | "int8" | "int4" | "i8dot"
     data: torch.Tensor  # [N, K] bf16/int8, or [N, K/2] uint8 (two 4-bit weights per byte)
     scales: torch.Tensor  # [N, K/32] (int8), [N, K/32, 2] scale and minimum (int4), [N] (i8dot), empty (bf16)
     in_features: int
@@ -141,7 +141,7 @@ def pack(w_out_major: torch.Tensor, fmt: str) -> PackedWeight:
         raise ConfigError(f"weight format must be one of {sorted(MODES)}, got {fmt!r}")
     w = w_out_major.detach().float().contiguous()
     N, K = w.shape
-    block = DOT_BLOCK if fmt == "i8dot" else GROUP
+    block = input_block(fmt)
     if K % block:
         raise ConfigError(f"{fmt} weights need an input size that is a multiple of {block}, got {K}")
     if fmt == "bf16":
@@ -223,9 +223,15 @@ def draft_format(draft_quant: str, device: str = "cpu") -> str | None:
     return "i8dot"
 
 
+def input_block(fmt: str) -> int:
+    """What a packed weight's input size must be a multiple of."""
+    return DOT_BLOCK if fmt == "i8dot" else GROUP
+
+
 def fits(layers: list, fmt: str) -> bool:
-    """Whether every projection's input size is a multiple of ``fmt``'s block (input-major weights)."""
-    block = DOT_BLOCK if fmt == "i8dot" else GROUP
+    """Whether every projection's input size (the hidden size among them, the lm_head's too) is a multiple of
+    ``fmt``'s block (input-major weights)."""
+    block = input_block(fmt)
     return all(w.shape[0] % block == 0 for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
 
 

@@ -60,7 +60,8 @@ class ModelRunner:
         # checks every draft, so their precision changes acceptance, never the output); set by enable_exact
         self.draft_format = lowbit.draft_format(cfg.draft_quant, self.device.type)
         self.draft_weights = self.weights
-        self._fused: list[tuple | None] | None = None  # per layer: dmtd::draft_layers' arguments (one sequence)
+        # dmtd::draft_layers' per-layer arguments gathered by column, per layer group (start, end): one sequence
+        self._fused: dict[tuple[int, int], list[list[torch.Tensor]]] | None = None
 
     def _pack_layers(self, layers: list[LayerWeights], fmt: str | None) -> list[LayerWeights]:
         if fmt is None:
@@ -89,13 +90,13 @@ class ModelRunner:
             assert self.cache.verify_layers is not None
             self.verify_kv = self.kv[: self.dmtd.decoding_start] + self.cache.verify_layers
             dense, d, fmt = self.model.layer_weights(), self.dmtd, self.draft_format
-            if fmt is not None and lowbit.fits(dense, fmt) and self.model.config.hidden_size % lowbit.DOT_BLOCK == 0:
+            if fmt is not None and lowbit.fits(dense, fmt):
                 self.draft_weights = (lowbit.pack_layers(dense[: d.thinking_start], fmt)
                                       + self.weights[d.thinking_start: d.decoding_start]
                                       + lowbit.pack_layers(dense[d.decoding_start:], fmt))
                 self._draft_head = None
                 self._fused = fused_draft_args(self.draft_weights, self.kv,
-                                               [*range(d.thinking_start), *range(d.decoding_start, d.num_layers)])
+                                               [(0, d.thinking_start), (d.decoding_start, d.num_layers)])
             else:
                 self.draft_format = None
 
@@ -238,7 +239,7 @@ class ModelRunner:
         assert self._fused is not None
         cfg, R = self.model.config, h.shape[0]
         pos = torch.arange(last - R + 1, last + 1, device=self.device)
-        cols = list(zip(*self._fused[start:end]))
+        cols = self._fused[(start, end)]
         cos, sin = self.model.rope_cos, self.model.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         return torch.ops.dmtd.draft_layers(
@@ -340,12 +341,12 @@ class ModelRunner:
 
 
 def fused_draft_args(layers: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]],
-                     used: list[int]) -> list[tuple | None] | None:
-    """Per layer in ``used`` (else None), ``dmtd::draft_layers``' arguments: norms as float32, the packed
-    projections, the KV pair. None where a used layer has what the op does not compute (qkv bias, q/k norms)
-    or its KV is not contiguous float32."""
-    out: list[tuple | None] = [None] * len(layers)
-    for i in used:
+                     groups: list[tuple[int, int]]) -> dict[tuple[int, int], list[list[torch.Tensor]]] | None:
+    """Per layer group ``(start, end)``, ``dmtd::draft_layers``' list arguments (gathered once, not per draft):
+    the norms as float32, the packed projections, the KV pairs. None where a layer has what the op does not
+    compute (qkv bias, q/k norms) or its KV is not contiguous float32."""
+    per_layer: dict[int, tuple] = {}
+    for i in (i for start, end in groups for i in range(start, end)):
         w, (k, v) = layers[i], kv[i]
         if w.qkv_bias is not None or w.q_norm is not None or w.k_norm is not None:
             return None
@@ -355,5 +356,6 @@ def fused_draft_args(layers: list[LayerWeights], kv: list[tuple[torch.Tensor, to
         if len(ps) < 4:
             return None
         packed = [getattr(p, a) for p in ps for a in ("data", "scales")]
-        out[i] = (w.ln1.float().contiguous(), *packed[:4], w.ln2.float().contiguous(), *packed[4:], k, v)
-    return out
+        per_layer[i] = (w.ln1.float().contiguous(), *packed[:4], w.ln2.float().contiguous(), *packed[4:], k, v)
+    return {(start, end): [list(c) for c in zip(*(per_layer[i] for i in range(start, end)))]
+            for start, end in groups if end > start}

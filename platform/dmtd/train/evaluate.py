@@ -230,9 +230,7 @@ class Evaluator:
                   tick: Any) -> dict[str, Any]:
         """The exact profile's section: the base's τ = 1 speed, then one row per τ of ``exact_taus``."""
         cfg = self.cfg
-        own = self.manifest.draft_threshold
-        threshold = (own if own is not None else self.manifest.min_confidence) if cfg.draft_threshold is None \
-            else cfg.draft_threshold
+        threshold = self.manifest.exact_draft_threshold() if cfg.draft_threshold is None else cfg.draft_threshold
         # what the exact tokens must equal: the base's greedy tokens, or the variant's own τ = 1 ones
         ref = base_out if self.verifier.name == "base" else [r.token_ids for r in self.generate(var_engine, prompts, 1)]
         base_tok_s = self.speed(self.engine(self.base.model, self.plain, 1), prompts, 1)["tok_s"]

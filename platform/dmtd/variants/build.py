@@ -53,8 +53,7 @@ class EngineSpec:
     @property
     def draft_threshold(self) -> float:
         """The exact profile's default draft stop (the manifest's ``draft_threshold``, else ``min_confidence``)."""
-        v = self.variant
-        return v.draft_threshold if v is not None and v.draft_threshold is not None else self.min_confidence
+        return self.min_confidence if self.variant is None else self.variant.exact_draft_threshold()
 
 
 def find_variant(name_or_path: str, search_dirs: list[Path] | None = None) -> Path:

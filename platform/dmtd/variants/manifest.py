@@ -84,6 +84,10 @@ class VariantManifest(BaseModel):
         return DMTDConfig(self.num_encoding_layers, self.num_thinking_layers, self.num_decoding_layers,
                           self.tau_max, self.phase_anchor, self.head_input)
 
+    def exact_draft_threshold(self) -> float:
+        """The exact profile's default draft stop: ``draft_threshold``, else ``min_confidence``."""
+        return self.min_confidence if self.draft_threshold is None else self.draft_threshold
+
 
 def base_fingerprint(model_dir: Path) -> str:
     """SHA-256 over a model directory's tensors (names, dtypes, shapes, bytes), independent of file metadata.
