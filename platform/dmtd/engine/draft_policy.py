@@ -17,7 +17,7 @@ from typing import Any
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior acceptance
 # Passes of a kind (batch size, check width) that are not counted: the first runs of a shape pay one-off costs
-# (TorchScript's profiling runs, lazily packed draft weights) of up to ~7 plain steps, and one such outlier in a
+# (TorchScript's profiling runs, lazily packed draft weights) of several plain steps, and one such outlier in a
 # running mean kept a request from ever drafting again (nothing drafted, nothing re-measured).
 WARMUP_PASSES = 2
 
