@@ -33,20 +33,26 @@ def main() -> None:
     ap.add_argument("--draft-quants", default="auto", help="drafts' weights, side by side: auto, none, int8")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--variants", default="smollm2-135m-dmtd",
+                    help="variants side by side (shipped names or directories), comma-separated; the first one's "
+                    "τ = 1 run is every configuration's reference")
     ap.add_argument("--json", default=None, help="write per-prompt results here")
     ap.add_argument("--png", default=None, help="plot per-prompt speedups (mean over rounds) here")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    spec = engine_spec(None, "smollm2-135m-dmtd", None, dtype=getattr(torch, args.dtype), device="cpu",
-                       search_dirs=[SHIPPED_VARIANTS])
+    variants = args.variants.split(",")
+    specs = {v: engine_spec(None, v, None, dtype=getattr(torch, args.dtype), device="cpu",
+                            search_dirs=[SHIPPED_VARIANTS]) for v in variants}
     dqs = args.draft_quants.split(",")
     cfg = EngineConfig(max_num_seqs=1, max_model_len=4096, dtype=args.dtype)
-    engines = {(a, dq): build_engine(spec, dataclasses.replace(cfg, adaptive_drafts=a, draft_quant=dq))
-               for a in (False, True) for dq in dqs}
-    configs = [(c + (f"/{dq}" if len(dqs) > 1 else ""), c[0] == "a", int(c[1:].split(":")[0]),
-                float(c.split(":")[1]), dq) for dq in dqs for c in args.configs.split(",")]
+    engines = {(v, a, dq): build_engine(specs[v], dataclasses.replace(cfg, adaptive_drafts=a, draft_quant=dq))
+               for v in variants for a in (False, True) for dq in dqs}
+    configs = [(c + (f"/{dq}" if len(dqs) > 1 else "") + (f"@{Path(v).name}" if len(variants) > 1 else ""),
+                (v, c[0] == "a", dq), int(c[1:].split(":")[0]), float(c.split(":")[1]))
+               for v in variants for dq in dqs for c in args.configs.split(",")]
 
-    def run(engine: tuple[bool, str], prompt: str, tau: int, threshold: float) -> tuple[list[int], float, int, int]:
+    def run(engine: tuple[str, bool, str], prompt: str, tau: int,
+            threshold: float) -> tuple[list[int], float, int, int]:
         r = engines[engine].generate([[{"role": "user", "content": prompt}]], SamplingParams(
             max_new_tokens=args.max_new_tokens, cycle_len=tau, exact=True, min_confidence=threshold))[0]
         return r.token_ids, (len(r.token_ids) - 1) / r.decode_time_s, r.num_accepted, r.num_drafted
@@ -58,10 +64,10 @@ def main() -> None:
     identical = total = 0
     for rnd in range(args.rounds):
         for prompt in CHATS:
-            ref, base, _, _ = run((False, dqs[0]), prompt, 1, 0.0)
+            ref, base, _, _ = run((variants[0], False, dqs[0]), prompt, 1, 0.0)
             line = f"{prompt[:34]:34s} {len(ref) - 1:3d} tok"
-            for name, adaptive, tau, threshold, dq in configs:
-                ids, tok_s, acc, made = run((adaptive, dq), prompt, tau, threshold)
+            for name, key, tau, threshold in configs:
+                ids, tok_s, acc, made = run(key, prompt, tau, threshold)
                 identical += ids == ref
                 total += 1
                 speed[name].append(tok_s / base)
