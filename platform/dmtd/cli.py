@@ -59,8 +59,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="with --variant none: run the base model with DMTD routing and this many decoding layers")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="raw prompt text")
-    src.add_argument("--chat", default=None, metavar="MESSAGE",
-                     help="a user message rendered with the model's chat template")
+    src.add_argument("--chat", action="append", default=None, metavar="MESSAGE",
+                     help="a user message rendered with the model's chat template; repeat it for several requests "
+                     "one after another (with --compare-tau1 a last line sums them up; with --json one JSON "
+                     "line each)")
     p.add_argument("--tau", type=int, default=None, help="cycle length τ (default: the variant's)")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="end a cycle early when a tail token's top-1 probability is below this (with "
@@ -148,8 +150,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else spec.draft_threshold if profile == "exact" else spec.min_confidence,
         exact=profile == "exact",
     )
-    prompt = [{"role": "user", "content": args.chat}] if args.chat is not None else args.prompt
-    prompt_ids = engine.encode(prompt)
+    prompts: list[Any] = [[{"role": "user", "content": c}] for c in args.chat] if args.chat else [args.prompt]
+    records = []
+    for n, prompt in enumerate(prompts):
+        if len(prompts) > 1 and not args.json:
+            print(f"{'' if n == 0 else chr(10)}>>> {args.chat[n]}")
+        records.append(_generate_local(engine, engine.encode(prompt), params, args, variant, profile, dtype, quant))
+    if len(records) > 1 and args.compare_tau1:
+        speedups = [r["speedup_vs_tau1"] for r in records]
+        same = [r["tokens_match_tau1"] for r in records if "tokens_match_tau1" in r]
+        match = f"; tokens identical to τ = 1's in {sum(same)} of {len(same)}" if same else ""
+        print(f"[{len(records)} requests: speedup over τ = 1 mean {sum(speedups) / len(speedups):.2f}× (min "
+              f"{min(speedups):.2f}×, max {max(speedups):.2f}×){match}]", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argparse.Namespace, variant: str,
+                    profile: str, dtype: str, quant: str) -> dict[str, Any]:
+    """One request of ``dmtd generate`` on a local engine: stream it, report it, compare it with τ = 1."""
+    tau = params.cycle_len
     if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs
         _stream_local(engine, prompt_ids, dataclasses.replace(params, max_new_tokens=4), echo=False)
     run = _stream_local(engine, prompt_ids, params, echo=not args.json)
@@ -188,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           engine.verifier_name if params.exact and params.greedy else None, out)
     if args.json:
         print(json.dumps(record))
-    return 0
+    return record
 
 
 @dataclasses.dataclass(slots=True)
@@ -233,10 +252,13 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
 
     if args.decoding_layers is not None or args.model is not None:
         raise UsageError("--model and --decoding-layers choose a local engine; with --server the server decides")
+    if args.chat and len(args.chat) > 1:
+        raise UsageError("--chat: one message with --server (several run one after another on a local engine)")
     profile = {None: "", "dmtd": "adaptive"}.get(args.profile, args.profile)  # "": the variant's default
     try:
         out = generate_to_console(
-            args.server, prompt=args.prompt, chat=args.chat, variant=args.variant, as_json=args.json,
+            args.server, prompt=args.prompt, chat=args.chat[0] if args.chat else None, variant=args.variant,
+            as_json=args.json,
             compare_tau1=args.compare_tau1, max_new_tokens=args.max_new_tokens,
             temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop=args.stop, tau_min=args.tau or 0, tau_max=args.tau or 0, min_confidence=args.min_confidence,

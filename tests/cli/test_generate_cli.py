@@ -84,6 +84,22 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     assert json.loads(base.stdout.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
 
 
+def test_generate_several_chats_one_after_another_and_sums_them_up():
+    msgs = ["Name three colours.", "Say hello in French."]
+    r = dmtd("generate", "--profile", "exact", "--chat", msgs[0], "--chat", msgs[1], "--max-new-tokens", "12",
+             "--tau", "2", "--compare-tau1", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert len(lines) == 2 and all(x["tokens_match_tau1"] is True for x in lines)
+    assert lines[0]["prompt_token_ids"] != lines[1]["prompt_token_ids"]
+    mean = sum(x["speedup_vs_tau1"] for x in lines) / 2
+    assert f"2 requests: speedup over τ = 1 mean {mean:.2f}×" in r.stderr
+    assert "tokens identical to τ = 1's in 2 of 2" in r.stderr
+    # each one is what the same request alone writes
+    one = dmtd("generate", "--profile", "exact", "--chat", msgs[1], "--max-new-tokens", "12", "--tau", "2", "--json")
+    assert json.loads(one.stdout.strip().splitlines()[-1])["token_ids"] == lines[1]["token_ids"]
+
+
 @pytest.mark.parametrize("args,words", [
     (["--profile", "exact", "--prompt", "hi", "--min-confidence", "1.5"], "min_confidence: must be in [0, 1]"),
     (["--profile", "fast", "--prompt", "hi"], "--profile: invalid choice"),
@@ -102,6 +118,7 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
      "min_confidence: must be in [0, 1], got -0.1"),
     (["--server", "127.0.0.1:1", "--prompt", "hi", "--tau", "0"], "tau: must be >= 1"),
     (["--profile", "quality", "--prompt", "hi"], "--profile quality: the replica controller's profiles"),
+    (["--server", "127.0.0.1:1", "--chat", "hi", "--chat", "there"], "--chat: one message with --server"),
 ])
 def test_bad_input_exits_2_naming_the_problem(args, words):
     r = dmtd("generate", *args)
