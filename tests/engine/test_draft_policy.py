@@ -106,3 +106,25 @@ def test_rarely_measured_costs_follow_the_machines_speed():
     assert costs.checks[(1, 1)] == pytest.approx(1.0, abs=1e-3)
     assert costs.cycle_cost(1, 2) == pytest.approx(1.2 + 2 * 0.2, rel=1e-3)  # not 2.4 + 2 * 0.4
     assert best_num_drafts(2, 1, costs, [7, 5], [10, 7]) >= 1  # at the stale 2.4 + 2 × 0.4 it drafted none
+
+
+def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost():
+    """Little is accepted, so after the prior wears off mostly the 1-in-8 exploring cycles draft, each first
+    catching its tail path up on the plain steps since (a pass over ~8 positions, ~2x a steady draft here).
+    Counted, those passes read drafting as twice as costly as it is and a request that had stopped drafting
+    never resumed (measured: 0 drafts over 8 chat requests); only passes of 1-2 positions are counted."""
+    base = base_model(1, 1.0)
+    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True),
+                    default_cycle_len=1, eos_token_ids=[])
+    catch_ups: list[int] = []
+    draft = eng.runner.draft
+
+    def recording(seqs):
+        catch_ups.append(max(s.draft_position - s.num_tail_cached + 1 for s in seqs))
+        return draft(seqs)
+
+    eng.runner.draft = recording  # type: ignore[method-assign]
+    res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=64, cycle_len=4, exact=True))[0]
+    assert res.num_accepted < 0.3 * res.num_drafted and any(c > 2 for c in catch_ups), catch_ups  # resumed
+    steady = sum(c <= 2 for c in catch_ups)
+    assert eng.pass_costs.seen.get(("draft", 1), 0) == steady  # every counted pass was a steady one

@@ -187,3 +187,63 @@ def test_i8dot_is_the_int8_weight_times_activations_rounded_per_block_of_64(rows
         assert torch.equal(p.project(x[i: i + 1])[0], y[i])
     with pytest.raises(ConfigError, match="multiple of 64"):
         lowbit.pack(torch.randn(4, 96), "i8dot")
+
+
+def _attention_reference(q, kc, vc, slots, lens):
+    """Softmax attention of each row over keys 0 .. len − 1 of its slot, GQA, in float64."""
+    B, nh, hd = q.shape
+    g = nh // kc.shape[1]
+    out = torch.empty(B, nh, hd, dtype=torch.float64)
+    for b in range(B):
+        k = kc[slots[b], :, : lens[b]].double().repeat_interleave(g, 0)  # [nh, n, hd]
+        v = vc[slots[b], :, : lens[b]].double().repeat_interleave(g, 0)
+        w = torch.softmax((k @ q[b].double().unsqueeze(-1)).squeeze(-1) * hd ** -0.5, -1)  # [nh, n]
+        out[b] = (w.unsqueeze(-1) * v).sum(1)
+    return out.reshape(B, nh * hd)
+
+
+@pytest.mark.parametrize("hd", [64, 24])  # AVX-512 path (a multiple of 16) and the plain loops
+def test_attend_is_softmax_attention_and_a_row_gets_the_same_bits_alone_or_beside_others(hd):
+    """dmtd::attend (kernels/attend.h): every decode row's attention over its own slot's first ``len`` keys, one
+    call a layer. A row's value is bitwise the same whatever else shares the call — the exact profile's check of a
+    chunk of positions rests on it — and every length from 1 to past one AVX-512 block is right."""
+    torch.manual_seed(3)
+    nh, nkv, slots_n, maxlen = 9, 3, 4, 80
+    kc, vc = torch.randn(slots_n, nkv, maxlen, hd), torch.randn(slots_n, nkv, maxlen, hd)
+    slots = torch.tensor([2, 0, 2, 3, 1, 2])
+    lens = torch.tensor([1, 17, 33, 16, 80, 34])
+    q = torch.randn(6, nh, hd, dtype=torch.bfloat16)  # any float dtype in; float32 out
+    together = torch.ops.dmtd.attend(q, kc, vc, slots, lens, hd ** -0.5)
+    assert together.dtype == torch.float32 and together.shape == (6, nh * hd)
+    torch.testing.assert_close(together.double(), _attention_reference(q.float(), kc, vc, slots, lens),
+                               rtol=1e-5, atol=1e-5)
+    for i in range(6):
+        alone = torch.ops.dmtd.attend(q[i: i + 1], kc, vc, slots[i: i + 1], lens[i: i + 1], hd ** -0.5)
+        assert torch.equal(alone[0], together[i])
+    with pytest.raises(RuntimeError, match="slot or length out of range"):
+        torch.ops.dmtd.attend(q[:1], kc, vc, torch.tensor([0]), torch.tensor([maxlen + 1]), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.dmtd.attend(q[:1], kc.double(), vc.double(), torch.tensor([0]), torch.tensor([3]), 1.0)
+
+
+def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
+    """The decode loop's attention through dmtd::attend gives the same logits as through torch's ops (float32
+    noise apart), one row or a chunk of one sequence (a verified check), and each engine is exact to its own τ = 1."""
+    model = tiny_model(seed=5)
+    dmtd = DMTDConfig(1, 2, 2, tau_max=4)
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=128, draft_quant="none")
+    prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = {}
+    for attend in (True, False):
+        eng = LLMEngine(model, None, dmtd, cfg, default_cycle_len=1, eos_token_ids=[])
+        assert eng.runner.model.attend_kernel  # float32 KV on CPU, kernels built
+        eng.runner.model.attend_kernel = attend
+        got[attend] = [eng.generate([prompt], SamplingParams(max_new_tokens=24, cycle_len=tau, exact=True))[0]
+                       for tau in (1, 3)]
+        assert got[attend][0].token_ids == got[attend][1].token_ids
+    assert got[True][0].token_ids == got[False][0].token_ids
+    assert got[True][1].num_drafted > 0
+    # the verifier's top-1 probability of every token, one row (τ = 1) and checked chunks (τ = 3)
+    for tau_i in (0, 1):
+        torch.testing.assert_close(torch.tensor(got[True][tau_i].confidences),
+                                   torch.tensor(got[False][tau_i].confidences), rtol=1e-4, atol=1e-5)

@@ -66,7 +66,9 @@ def test_incremental_equals_masked_forward(split, head_input, anchor, tau):
     while solo.has_unfinished():
         solo.step()
     assert solo.seqs[rid].generated_ids == res.token_ids
-    torch.testing.assert_close(torch.stack(got), ref, rtol=1e-4, atol=1e-4)
+    # float32 noise: the engine's decode attention (dmtd::attend, or torch's ops) and the masked forward's SDPA sum
+    # in different orders; against a float64 forward each path measured up to ~2e-4 off on these random models
+    torch.testing.assert_close(torch.stack(got), ref, rtol=3e-4, atol=3e-4)
 
 
 def test_tau_one_is_plain_autoregressive():

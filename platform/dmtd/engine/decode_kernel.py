@@ -32,6 +32,36 @@ def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: i
     return torch.ops.dmtd.linear(x, w, s[i], mode)
 
 
+def _torch_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, s0: int, B: int,
+                     one: bool, shared: bool, contiguous: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045
+                     nkv: int, g: int, hd: int, scale: float, row_loop: int) -> torch.Tensor:
+    """The decode rows' attention with torch's ops (where dmtd::attend is not built) → [B, nh·hd]."""
+    if one or shared:
+        keys = kc[s0: s0 + 1, :, :read_len]
+        vals = vc[s0: s0 + 1, :, :read_len]
+    elif contiguous:
+        keys = kc[s0: s0 + B, :, :read_len]
+        vals = vc[s0: s0 + B, :, :read_len]
+    else:
+        keys = kc[:, :, :read_len].index_select(0, slots)
+        vals = vc[:, :, :read_len].index_select(0, slots)
+    if shared and row_loop >= B:
+        # Row by row over its own keys, with exactly the ops of a one-row step at that position: no mask,
+        # no key copy (a broadcast over the rows would copy the keys once per row), and the same value a
+        # step of this row alone computes.
+        qs = q.reshape(B, nkv, g, hd).to(keys.dtype)
+        outs: List[torch.Tensor] = []  # noqa: UP006
+        for b in range(B):
+            n = read_len - B + 1 + b
+            s = torch.matmul(qs[b: b + 1], keys[:, :, :n].transpose(-1, -2)) * scale
+            outs.append(torch.matmul(torch.softmax(s, -1), vals[:, :, :n]))
+        return torch.cat(outs, 0).reshape(B, nkv * g * hd)
+    s = torch.matmul(q.reshape(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), vals).reshape(B, nkv * g * hd)
+
+
 def _decode_layers(
     h: torch.Tensor,  # [B, H]
     ln1: List[torch.Tensor], qkv: List[torch.Tensor], qkv_bias: Optional[List[torch.Tensor]],  # noqa: UP006, UP045
@@ -47,6 +77,7 @@ def _decode_layers(
     s_gu: Optional[List[torch.Tensor]] = None, s_down: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
     amx_rows: int = 1 << 62,
     row_loop: int = 8,  # shared chunks of up to this many rows attend row by row
+    attend: bool = False,  # attention by dmtd::attend (kernels/attend.h): every row alone, one call a layer
 ) -> torch.Tensor:
     B = h.shape[0]
     g = nh // nkv
@@ -58,6 +89,16 @@ def _decode_layers(
     one = B == 1
     s0 = slot_lo
     p0 = read_len - 1
+    # dmtd::attend's rows: each reads keys 0 .. its own position of its own slot
+    if one:
+        att_slots = torch.full([1], s0, dtype=torch.long)
+        att_lens = torch.full([1], read_len, dtype=torch.long)
+    elif shared:
+        att_slots = torch.full([B], s0, dtype=torch.long)
+        att_lens = torch.arange(read_len - B + 1, read_len + 1, dtype=torch.long)
+    else:
+        att_slots = slots
+        att_lens = pos + 1
     for i in range(len(ln1)):
         y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode, amx_rows)
         if qkv_bias is not None:
@@ -74,38 +115,17 @@ def _decode_layers(
         if one:
             kc[i][s0, :, p0] = k[0]
             vc[i][s0, :, p0] = v[0]
-            keys = kc[i][s0: s0 + 1, :, :read_len]
-            vals = vc[i][s0: s0 + 1, :, :read_len]
         elif shared:  # consecutive positions p0 - B + 1 .. p0 of one sequence (a verify or draft chunk)
             kc[i][s0, :, p0 - B + 1: p0 + 1] = k.transpose(0, 1)
             vc[i][s0, :, p0 - B + 1: p0 + 1] = v.transpose(0, 1)
-            keys = kc[i][s0: s0 + 1, :, :read_len]
-            vals = vc[i][s0: s0 + 1, :, :read_len]
         else:
             kc[i][slots, :, pos] = k
             vc[i][slots, :, pos] = v
-            if contiguous:
-                keys = kc[i][s0: s0 + B, :, :read_len]
-                vals = vc[i][s0: s0 + B, :, :read_len]
-            else:
-                keys = kc[i][:, :, :read_len].index_select(0, slots)
-                vals = vc[i][:, :, :read_len].index_select(0, slots)
-        if shared and row_loop >= B:
-            # Row by row over its own keys, with exactly the ops of a one-row step at that position: no mask,
-            # no key copy (a broadcast over the rows would copy the keys once per row), and the same value a
-            # step of this row alone computes.
-            qs = q.reshape(B, nkv, g, hd).to(keys.dtype)
-            outs: List[torch.Tensor] = []  # noqa: UP006
-            for b in range(B):
-                n = read_len - B + 1 + b
-                s = torch.matmul(qs[b: b + 1], keys[:, :, :n].transpose(-1, -2)) * scale
-                outs.append(torch.matmul(torch.softmax(s, -1), vals[:, :, :n]))
-            a = torch.cat(outs, 0).reshape(B, nh * hd).to(h.dtype)
+        if attend:  # reads the cache itself
+            a = torch.ops.dmtd.attend(q, kc[i], vc[i], att_slots, att_lens, scale).to(h.dtype)
         else:
-            s = torch.matmul(q.reshape(B, nkv, g, hd).to(keys.dtype), keys.transpose(-1, -2)) * scale
-            if mask is not None:
-                s = s.masked_fill(mask.logical_not().view(B, 1, 1, read_len), float("-inf"))
-            a = torch.matmul(torch.softmax(s, -1), vals).reshape(B, nh * hd).to(h.dtype)
+            a = _torch_attention(q, kc[i], vc[i], slots, s0, B, one, shared, contiguous, read_len, mask, nkv, g, hd,
+                                 scale, row_loop).to(h.dtype)
         h = h + _lin(a, o[i], s_o, i, mode, amx_rows)
         gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode, amx_rows)
         h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode, amx_rows)

@@ -20,6 +20,11 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior acceptance
 # (TorchScript's profiling runs, lazily packed draft weights) of several plain steps, and one such outlier in a
 # running mean kept a request from ever drafting again (nothing drafted, nothing re-measured).
 WARMUP_PASSES = 2
+# Draft passes counted in the draft cost: those whose rows catch up on at most this many positions (the head's
+# and the new one while a request drafts every cycle). A request that resumes drafting after plain steps first
+# feeds its tail path every position since (measured: ~2x a steady draft after 7 plain steps); counting those
+# passes, the policy's every-8th-cycle exploration read drafting as twice as costly as it is and never resumed.
+STEADY_CATCH_UP = 2
 
 
 @dataclass(slots=True)

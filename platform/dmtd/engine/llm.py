@@ -14,7 +14,7 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_policy import PassCosts, best_num_drafts, worth_exploring
+from dmtd.engine.draft_policy import STEADY_CATCH_UP, PassCosts, best_num_drafts, worth_exploring
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -196,6 +196,7 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        t_step = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
@@ -213,10 +214,13 @@ class LLMEngine:
         checking = [s for s in out.decode if s.params.exact and s.draft_done]
         results = self._sampled(SchedulerOutput(decode=plain), self._timed("decode", self.runner.decode, plain)[0],
                                 False) if plain else []
+        # a step of one kind costs the draft policy its whole wall time (the pass, picking or checking the tokens,
+        # the step's own bookkeeping): each draft is a step of its own, and a policy that counted the pass alone
+        # drafted where the steps' ~5 % more made a second draft not pay
         if drafting:
-            results += self._draft(drafting)
+            results += self._draft(drafting, t_step if not (plain or checking) else None)
         if checking:
-            results += self._check(checking)
+            results += self._check(checking, t_step if not (plain or drafting) else None)
         self.scheduler.num_decode_steps += 1
         return results
 
@@ -267,10 +271,14 @@ class LLMEngine:
             self._forget(s.req_id)
         return results
 
-    def _draft(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """A tail step of verified cycles: one draft per row, nothing emitted."""
+    def _draft(self, seqs: list[Sequence], since: float | None = None) -> list[StepOutput]:
+        """A tail step of verified cycles: one draft per row, nothing emitted. ``since``: when the step began, if
+        it drafts only (its whole time is the draft's cost), else the pass alone is."""
+        # positions each row's tail path catches up on in this pass: 1-2 while a request drafts every cycle, more
+        # when it resumes after plain steps (one pass over all of them, a one-off that costs about two drafts)
+        catch_up = max(s.draft_position - s.num_tail_cached + 1 for s in seqs)
+        t0 = time.perf_counter() if since is None else since
         logits, dt = self._timed("draft", self.runner.draft, seqs)
-        self.pass_costs.observe_draft(len(seqs), dt, len(self.scheduler.running))
         d = pick_drafts(logits, self.runner.draft_ids, [s.params for s in seqs],
                         [self._gens.get(s.req_id) for s in seqs])
         results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
@@ -279,13 +287,16 @@ class LLMEngine:
             self._draft_q.setdefault(seqs[i].req_id, []).append(d.q[i])
         self.scheduler.postprocess_drafts([seqs[i] for i in keep], [d.tokens[i] for i in keep],
                                           [d.confidences[i] for i in keep], self.eos_ids)
+        if catch_up <= STEADY_CATCH_UP:  # a resuming pass is no draft's steady cost: counted, it kept a request that
+            # had stopped drafting from ever resuming
+            self.pass_costs.observe_draft(len(seqs), time.perf_counter() - t0 if since is not None else dt,
+                                          len(self.scheduler.running))
         return results
 
-    def _check(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """A head of verified cycles: check every row's drafts and emit its block."""
+    def _check(self, seqs: list[Sequence], since: float | None = None) -> list[StepOutput]:
+        """A head of verified cycles: check every row's drafts and emit its block (``since``: as for _draft)."""
         logits, dt = self._timed("verify", self.runner.verify, seqs)
         R = logits.shape[1]
-        self.pass_costs.observe_check(len(seqs), R, dt)
         results: list[StepOutput] = []
         for i, s in enumerate(seqs):
             m = len(s.drafts)
@@ -307,6 +318,7 @@ class LLMEngine:
                         self._unaccept(s, c.num_accepted, j + 1)
                     break
             results[-1].num_drafted, results[-1].num_accepted = m, min(c.num_accepted, len(results[-1].block or []))
+        self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
         return results
 
     @staticmethod

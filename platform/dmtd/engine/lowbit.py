@@ -62,7 +62,8 @@ def _build_dir() -> Path:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()
+    sources = b"".join(f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode()
                          + str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:16]
     root = Path(os.environ.get("DMTD_CACHE", Path.home() / ".cache" / "dmtd"))
     return root / "kernels" / f"lowbit-{key}"

@@ -220,6 +220,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._weights: list[LayerWeights] | None = None
         self.row_loop = 8  # chunks of one sequence up to this many positions attend row by row (decode_kernel)
+        self.attend_kernel = False  # decode attention by dmtd::attend (set by the engine's runner where it is built)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         self._weights, self.lm_head_t = None, None  # .to()/.float() may replace the tensors
@@ -260,7 +261,7 @@ class Transformer(nn.Module):
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
             mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
-            AMX_MIN_ROWS, self.row_loop,
+            AMX_MIN_ROWS, self.row_loop, self.attend_kernel and caches[start][0].dtype == torch.float32,
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 

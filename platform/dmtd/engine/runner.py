@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dmtd.engine import lowbit
@@ -49,6 +51,10 @@ class ModelRunner:
             raise ConfigError(f"dtype is {cfg.dtype} but the model's weights are {str(have).removeprefix('torch.')}: "
                               "load the model in the engine's dtype")
         self.weight_format = lowbit.weight_format(cfg.dtype, cfg.quant, self.device.type)
+        # decode rows attend through dmtd::attend where the kernels build: one call a layer, each row alone
+        # (DMTD_ATTEND=0: torch's ops instead, to compare)
+        self.model.attend_kernel = (self.device.type == "cpu" and self.kv_dtype == torch.float32
+                                    and os.environ.get("DMTD_ATTEND", "1") != "0" and lowbit.kernels_available())
         self.weights, self.head = self._pack(self.weight_format)
         vl = self.verifier.layers
         self.verify_weights = self.weights if vl is None else (

@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #endif
 
+#include "attend.h"
+
 namespace {
 
 constexpr int64_t G = 32;   // weights per group
@@ -363,26 +365,9 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
     float* ap = att.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) {
       const int64_t n = p0 + r + 1;  // keys 0 .. its own position
-      for (int64_t hq = 0; hq < nh; ++hq) {
-        const float* q = yp + r * (qd + 2 * kvd) + hq * hd;
-        const float* kk = kb + (hq / g) * maxlen * hd;
-        const float* vv = vb + (hq / g) * maxlen * hd;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) {
-          float d = 0.f;
-          for (int64_t j = 0; j < hd; ++j) d += q[j] * kk[t * hd + j];
-          sc[t] = d * scale;
-          mx = std::max(mx, sc[t]);
-        }
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
-        float* o = ap + r * qd + hq * hd;
-        for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          const float w = sc[t] / sum;
-          for (int64_t j = 0; j < hd; ++j) o[j] += w * vv[t * hd + j];
-        }
-      }
+      for (int64_t kv = 0; kv < nkv; ++kv)
+        dmtd_attend::heads(yp + r * (qd + 2 * kvd) + kv * g * hd, kb + kv * maxlen * hd, vb + kv * maxlen * hd, n, g,
+                           hd, scale, sc.data(), ap + r * qd + kv * g * hd);
     }
     h.add_(linear(att, o_w[i], o_s[i], mode));
     rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
@@ -403,7 +388,32 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
 
 }  // namespace
 
+// Decode rows' attention over the float32 KV cache (attend.h): q [B, nh, hd] → [B, nh·hd] float32; row b reads
+// keys 0 .. lens[b] − 1 of slot slots[b] from kc/vc [slots, nkv, maxlen, hd].
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots_in,
+                  const at::Tensor& lens_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(), "dmtd::attend: q [B, nh, hd], kc/vc "
+              "[slots, nkv, maxlen, hd]");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+              vc.is_contiguous(), "dmtd::attend: the KV cache must be contiguous float32");
+  const int64_t B = q_in.size(0), nh = q_in.size(1), hd = q_in.size(2), nkv = kc.size(1), maxlen = kc.size(2);
+  TORCH_CHECK(kc.size(3) == hd && nh % nkv == 0, "dmtd::attend: head shapes do not match the cache");
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), lens = lens_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == B && lens.numel() == B, "dmtd::attend: one slot and one length per row");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < kc.size(0) && lp[b] >= 1 && lp[b] <= maxlen,
+                "dmtd::attend: slot or length out of range");
+  at::Tensor out = at::empty({B, nh * hd}, q.options());
+  dmtd_attend::rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, lp, B, nh, nkv, maxlen, hd,
+                    static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(dmtd, CPU, m) {
+  m.impl("attend", &attend);
   m.impl("linear", &linear);
   m.impl("draft_layers", &draft_layers);
 }

@@ -1,0 +1,131 @@
+// Attention of decode rows over the float32 KV cache, one (row, KV head) at a time: each row reads keys
+// 0 .. len − 1 of its own slot, with exactly the same arithmetic whatever else shares the call (how many rows,
+// which lengths, which thread), so a verified cycle's check over a chunk of positions scores each position as a
+// step of that position alone does — bitwise. One call per layer replaces the ~10 tensor ops per row (slices,
+// two batched matmuls, a softmax, casts) that dominated a check's cost per extra position on CPU.
+//
+// Included by lowbit.cpp (built with -march=native): AVX-512 where the CPU has it and hd is a multiple of 16,
+// else plain loops.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace dmtd_attend {
+
+#if defined(__AVX512F__)
+// exp for x ≤ 0 (Cephes' expf polynomial, ~1 ulp); NaN stays NaN, x < −87 gives ~1e-38 instead of 0.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN in x is returned as is (second operand)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Query heads hq0 .. hq0 + g − 1 (rows of q, hd floats each, consecutive) over keys/values [n, hd]
+// → out (g rows of hd). sc: scratch of n floats.
+inline void heads(const float* q, const float* kk, const float* vv, int64_t n, int64_t g, int64_t hd, float scale,
+                  float* sc, float* out) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0 && hd <= 256) {
+    const int64_t C = hd / 16;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * hd;
+      __m512 qv[16];
+      for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+      int64_t t = 0;
+      for (; t < n; ++t) {
+        const float* kt = kk + t * hd;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+        for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
+        sc[t] = _mm512_reduce_add_ps(a) * scale;
+      }
+      float mx = -INFINITY;
+      for (t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+      const __m512 mv = _mm512_set1_ps(mx);
+      __m512 sv = _mm512_setzero_ps();
+      for (t = 0; t + 16 <= n; t += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mv));
+        _mm512_storeu_ps(sc + t, e);
+        sv = _mm512_add_ps(sv, e);
+      }
+      if (t < n) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), mv));
+        _mm512_mask_storeu_ps(sc + t, m, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(m, e));
+      }
+      const float inv = 1.f / _mm512_reduce_add_ps(sv);
+      __m512 acc[16];
+      for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+      for (t = 0; t < n; ++t) {
+        const __m512 w = _mm512_set1_ps(sc[t]);
+        const float* vt = vv + t * hd;
+        for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + 16 * c), acc[c]);
+      }
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(out + h * hd + 16 * c, _mm512_mul_ps(acc[c], iv));
+    }
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < g; ++h) {
+    const float* qh = q + h * hd;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) {
+      float d = 0.f;
+      for (int64_t j = 0; j < hd; ++j) d += qh[j] * kk[t * hd + j];
+      sc[t] = d * scale;
+      mx = std::max(mx, sc[t]);
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+    float* o = out + h * hd;
+    for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < hd; ++j) o[j] += sc[t] * vv[t * hd + j];
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < hd; ++j) o[j] *= inv;
+  }
+}
+
+// Rows b = 0 .. B − 1: q [B, nh, hd] → out [B, nh, hd]; row b reads lens[b] keys of slot slots[b] from
+// kc/vc [slots, nkv, maxlen, hd]. Work is split by (row, KV head); small calls stay on the calling thread.
+inline void rows(const float* q, const float* kc, const float* vc, const int64_t* slots, const int64_t* lens,
+                 int64_t B, int64_t nh, int64_t nkv, int64_t maxlen, int64_t hd, float scale, float* out) {
+  const int64_t g = nh / nkv, units = B * nkv;
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += lens[b];
+  auto run = [&](int64_t u0, int64_t u1) {
+    std::vector<float> sc;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / nkv, j = u % nkv, n = lens[b];
+      sc.resize(static_cast<size_t>(std::max<int64_t>(n, 1)));
+      const int64_t base = (slots[b] * nkv + j) * maxlen * hd;
+      heads(q + (b * nh + j * g) * hd, kc + base, vc + base, n, g, hd, scale, sc.data(),
+            out + (b * nh + j * g) * hd);
+    }
+  };
+  if (work * nh * hd < (1 << 18) || at::in_parallel_region()) run(0, units);
+  else at::parallel_for(0, units, 1, run);
+}
+
+}  // namespace dmtd_attend
