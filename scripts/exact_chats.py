@@ -77,8 +77,9 @@ def main() -> None:
             print(f"[{rnd + 1}] {line}", flush=True)
     print(f"tokens identical to τ = 1's: {identical} of {total} runs ({args.dtype})")
     for name, xs in speed.items():
+        acc, made = (sum(r[k] for r in runs if r["config"] == name) for k in ("accepted", "drafted"))
         print(f"{name}: mean {statistics.mean(xs):.3f}x  median {statistics.median(xs):.3f}x  "
-              f"min {min(xs):.2f}x  max {max(xs):.2f}x")
+              f"min {min(xs):.2f}x  max {max(xs):.2f}x  accepted {acc}/{made} = {acc / max(made, 1):.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "command": vars(args), "runs": runs}, indent=1))
         print(f"wrote {args.json}")
