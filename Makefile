@@ -19,8 +19,19 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 	$(BIN)/dmtd convert
 
+# the eight chat prompts of the exact-profile benchmarks (dmtd.bench.exact_bench.CHATS; no training corpus
+# holds them): the shipped default against τ = 1 on each, then the mean
+DEMO_CHATS := --chat "Explain in three sentences why the sky is blue." \
+	--chat "Write a short story about a lighthouse keeper who finds a message in a bottle." \
+	--chat "What are three tips for staying focused while studying?" \
+	--chat "Describe how a bicycle works to a ten-year-old." \
+	--chat "Give me a simple recipe for pancakes." \
+	--chat "Why do cats purr? Answer in a short paragraph." \
+	--chat "List five interesting facts about the moon." \
+	--chat "How does a refrigerator keep food cold?"
+
 demo: setup
-	$(BIN)/dmtd generate --chat "Explain in three sentences why the sky is blue." --max-new-tokens 96 --compare-tau1
+	$(BIN)/dmtd generate $(DEMO_CHATS) --max-new-tokens 96 --compare-tau1
 	bash scripts/demo-serve.sh
 
 lint: $(STAMP)

@@ -1,5 +1,6 @@
-"""What a verified cycle's check costs against a plain step, at a given context length, with the chunk attention
-of `dmtd.engine.decode_kernel` row by row (the default) and broadcast over the rows (the path before it).
+"""What a verified cycle's check costs against a plain step, at a given context length, with the decode attention
+of `dmtd.engine.decode_kernel` by `dmtd::attend` (kernels/attend.h, the default where the kernels build), by torch's
+ops row by row (the path before it), and broadcast over the rows (the path before that).
 
     .venv/bin/python scripts/verify_cost.py --context 40,600
 
@@ -39,19 +40,22 @@ def main() -> None:
             eng.step()
         seq, runner = eng.seqs[rid], eng.runner
         times: dict[tuple[int, int], list[float]] = {}
+        paths = {"broadcast": (0, False), "row by row": (8, False)}
+        if runner.model.attend_kernel:
+            paths["dmtd::attend"] = (8, True)
         for _ in range(args.repeats):
-            for loop in (0, 8):
-                runner.model.row_loop = loop
+            for name, (loop, attend) in paths.items():
+                runner.model.row_loop, runner.model.attend_kernel = loop, attend
                 for nd in (0, 1, 2):
                     seq.drafts = [seq.token_ids[-1]] * nd
                     t = time.perf_counter()
                     for _ in range(10):
                         runner.verify([seq])
-                    times.setdefault((loop, nd), []).append((time.perf_counter() - t) / 10 * 1e3)
+                    times.setdefault((name, nd), []).append((time.perf_counter() - t) / 10 * 1e3)
         seq.drafts = []
-        for loop, name in ((0, "broadcast"), (8, "row by row")):
-            med = [sorted(times[(loop, nd)])[len(times[(loop, nd)]) // 2] for nd in (0, 1, 2)]
-            print(f"context {seq.num_tokens:5d}  {name:10s}  check ms (0/1/2 drafts) "
+        for name in paths:
+            med = [sorted(times[(name, nd)])[len(times[(name, nd)]) // 2] for nd in (0, 1, 2)]
+            print(f"context {seq.num_tokens:5d}  {name:12s}  check ms (0/1/2 drafts) "
                   f"{med[0]:6.2f} {med[1]:6.2f} {med[2]:6.2f}   check c {med[1] / med[0]:.3f} {med[2] / med[0]:.3f}",
                   flush=True)
 

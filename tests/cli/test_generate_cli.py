@@ -161,3 +161,17 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
     assert data["machine"]["matvec_gb_s"] > 0
     assert path.with_suffix(".png").stat().st_size > 10_000
     assert path.with_name(path.stem + "_exact.png").stat().st_size > 10_000
+
+
+def test_make_demo_answers_the_exact_benchmarks_chat_prompts():
+    """`make demo` shows the shipped default's speedup over τ = 1 as a mean over the chat prompts the exact-profile
+    benchmarks measure (no training corpus holds them), not one prompt; the Makefile lists them verbatim."""
+    import re
+    from pathlib import Path
+
+    from dmtd.bench.exact_bench import CHATS
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    block = makefile[makefile.index("DEMO_CHATS :="): makefile.index("\n\n", makefile.index("DEMO_CHATS :="))]
+    assert re.findall(r'--chat "([^"]+)"', block) == CHATS
+    assert "$(DEMO_CHATS)" in makefile and "--compare-tau1" in makefile
