@@ -230,7 +230,7 @@ def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
     """The decode loop's attention through dmtd::attend gives the same logits as through torch's ops (float32
     noise apart), one row or a chunk of one sequence (a verified check), and each engine is exact to its own τ = 1."""
     model = tiny_model(seed=5)
-    dmtd = DMTDConfig(1, 2, 2, tau_max=4)
+    dmtd = DMTDConfig(1, 3, 2, tau_max=4)
     cfg = EngineConfig(max_num_seqs=2, max_model_len=128, draft_quant="none")
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(2)).tolist()
     got = {}
@@ -247,3 +247,21 @@ def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
     for tau_i in (0, 1):
         torch.testing.assert_close(torch.tensor(got[True][tau_i].confidences),
                                    torch.tensor(got[False][tau_i].confidences), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [7, 100, 8192, 49152])
+def test_top1_is_the_first_argmax_and_its_softmax_probability(n):
+    """dmtd::top1, the greedy pick and check of verified cycles in one pass: torch's argmax (the first of tied
+    maxima) and the softmax's top probability, NaN for a row holding a NaN or nothing finite."""
+    torch.manual_seed(n)
+    x = torch.randn(4, n) * 4
+    x[0, n // 3] = x[0].max() + 1
+    x[0, n // 2] = x[0, n // 3]  # a tie: the first index wins
+    x[2, n - 1] = float("nan")
+    x[3] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        idx, p = torch.ops.dmtd.top1(xs)
+        assert idx[[0, 1]].tolist() == xs[[0, 1]].float().argmax(-1).tolist() and int(idx[0]) == n // 3
+        torch.testing.assert_close(p[:2], torch.softmax(xs[:2].float(), -1).amax(-1), rtol=1e-5, atol=1e-7)
+        assert torch.isnan(p[2:]).all()

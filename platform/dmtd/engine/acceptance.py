@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dmtd.engine.lowbit import kernels_loaded
 from dmtd.engine.sampler import draw, filtered_probs
 from dmtd.engine.sequence import SamplingParams
 
@@ -28,13 +29,22 @@ class Drafts:
     q: list[torch.Tensor | None]  # [N] over the draft vocabulary, None for greedy rows
 
 
+def top1(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Each row's first argmax and its softmax probability (NaN for a row with a NaN or no finite logit): one pass
+    of ``dmtd::top1`` where the kernels are loaded (a draft step's picking was ~7 % of the step), else torch's."""
+    if logits.device.type == "cpu" and kernels_loaded():
+        idx, top = torch.ops.dmtd.top1(logits)
+        return idx.tolist(), top
+    logits = logits.float()
+    return logits.argmax(dim=-1).tolist(), torch.softmax(logits, dim=-1).amax(dim=-1)
+
+
 def pick_drafts(logits: torch.Tensor, vocab: torch.Tensor | None, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> Drafts:
     """Draft one token per row from the tail head's logits [n, N] (N = the draft vocabulary's size)."""
     logits = logits.float()
-    top = torch.softmax(logits, dim=-1).amax(dim=-1)
+    idx, top = top1(logits)
     finite = torch.isfinite(top)
-    idx = logits.argmax(dim=-1).tolist()
     q: list[torch.Tensor | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if not p.greedy and bool(finite[i])]
     if rows:
@@ -59,14 +69,13 @@ def check_drafts(logits: torch.Tensor, drafts: list[int], q: list[torch.Tensor |
                  vocab: torch.Tensor | None, params: SamplingParams,
                  generator: torch.Generator | None) -> Checked:
     """Accept the longest admissible prefix of ``drafts`` against the verifier's logits [m + 1, V]."""
-    logits = logits.float()
     m = len(drafts)
-    top = torch.softmax(logits, dim=-1).amax(dim=-1)
+    target, top = top1(logits)
     if not bool(torch.isfinite(top).all()):
         return Checked([], 0, [], False)
     confs = top.tolist()
+    logits = logits.float()
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
         a = 0
         while a < m and drafts[a] == target[a]:
             a += 1

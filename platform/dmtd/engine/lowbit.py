@@ -93,6 +93,11 @@ def load_kernels() -> None:
             raise KernelUnavailable(f"the low-bit kernels cannot be built on this machine ({_load_error})")
 
 
+def kernels_loaded() -> bool:
+    """Whether the kernels are built and loaded in this process (never builds them)."""
+    return bool(_loaded)
+
+
 def kernels_available() -> bool:
     try:
         load_kernels()

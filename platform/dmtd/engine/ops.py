@@ -20,6 +20,8 @@ _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s
             "int mode) -> Tensor")
 # Decode rows' attention over the float32 KV cache, each row alone (kernels/attend.h): q [B, nh, hd] -> [B, nh*hd].
 _LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor lens, float scale) -> Tensor")
+# Each row's first argmax and its softmax probability (greedy picks and checks): logits [n, N] -> (idx, p).
+_LIB.define("top1(Tensor x) -> (Tensor, Tensor)")
 
 
 def cpu_flags() -> set[str]:
