@@ -116,6 +116,8 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
     base = base_model(1, 1.0)
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True),
                     default_cycle_len=1, eos_token_ids=[])
+    # a tail at half a step (held there: decay 1) so that drafting stops once the acceptance prior wears off
+    eng.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: 0.5}, decay=1.0)
     catch_ups: list[int] = []
     draft = eng.runner.draft
 
@@ -128,3 +130,27 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
     assert res.num_accepted < 0.3 * res.num_drafted and any(c > 2 for c in catch_ups), catch_ups  # resumed
     steady = sum(c <= 2 for c in catch_ups)
     assert eng.pass_costs.seen.get(("draft", 1), 0) == steady  # every counted pass was a steady one
+
+
+def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
+    """Before any draft is measured, a tail costs its share of a step's weight bytes plus a pass's fixed costs
+    (the flat prior tied one draft with a plain step at the prior acceptance, so a fresh engine drafted only in
+    its exploring cycles). With int8 drafts the share is about a quarter of the bf16 layers' it replaces."""
+    from dmtd.engine.draft_policy import TAIL_PASS_OVERHEAD
+
+    base = base_model(1, 0.0)
+    shares = {}
+    for dq in ("none", "int8"):
+        eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
+                                                       draft_quant=dq), default_cycle_len=1, eos_token_ids=[])
+        assert eng.pass_costs.tail_prior == 0.45  # nothing known before an exact request
+        eng.add_request(prompts_of([5], 1)[0], SamplingParams(max_new_tokens=4, cycle_len=3, exact=True))
+        r, d = eng.runner, DMTD
+        layer = sum(t.numel() * t.element_size() for t in r.model.layer_weights()[0] if t is not None)
+        head = r.head.numel() * r.head.element_size()
+        tail_layers = d.num_encoding_layers + d.num_decoding_layers
+        if dq == "none":
+            assert r.draft_bytes_share() == pytest.approx((tail_layers * layer + head) / (d.num_layers * layer + head))
+        shares[dq] = r.draft_bytes_share()
+        assert eng.pass_costs.tail_prior == pytest.approx(min(0.45, shares[dq] + TAIL_PASS_OVERHEAD))
+    assert shares["int8"] < 0.5 * shares["none"]

@@ -25,6 +25,10 @@ WARMUP_PASSES = 2
 # feeds its tail path every position since (measured: ~2x a steady draft after 7 plain steps); counting those
 # passes, the policy's every-8th-cycle exploration read drafting as twice as costly as it is and never resumed.
 STEADY_CATCH_UP = 2
+# A draft pass's costs besides its weight reads (picking the token, the step's bookkeeping), in plain steps: the
+# prior for a tail is the engine's weight-byte share plus this (measured on the shipped variant, bf16, int8
+# drafts: bytes 0.15, a whole draft step 0.17-0.19)
+TAIL_PASS_OVERHEAD = 0.05
 
 
 @dataclass(slots=True)

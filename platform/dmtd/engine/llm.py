@@ -14,7 +14,8 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_policy import STEADY_CATCH_UP, PassCosts, best_num_drafts, worth_exploring
+from dmtd.engine.draft_policy import (STEADY_CATCH_UP, TAIL_PASS_OVERHEAD, PassCosts, best_num_drafts,
+                                      worth_exploring)
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -155,8 +156,13 @@ class LLMEngine:
         tau = params.cycle_len if params.cycle_len is not None else self.default_cycle_len
         seq = Sequence(req_id, self.encode(prompt), params, cycle_len=tau)
         self.scheduler.add(seq)
-        if params.exact:
+        if params.exact and self.runner.verify_kv is None:
             self.runner.enable_exact()
+            # before any draft is measured, a tail costs the share of weight bytes it reads, plus its pass's fixed
+            # costs: the flat prior (0.45) tied m = 1 with a plain step at the prior acceptance, so a fresh engine
+            # drafted only in its exploring cycles, whose catch-up passes are not measured (draft_policy)
+            self.pass_costs.tail_prior = min(self.pass_costs.tail_prior,
+                                             self.runner.draft_bytes_share() + TAIL_PASS_OVERHEAD)
         self.seqs[req_id] = seq
         self._detok[req_id] = Detokenizer(self.tokenizer) if self.tokenizer is not None else None  # type: ignore
         gen = None

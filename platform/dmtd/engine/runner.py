@@ -106,6 +106,14 @@ class ModelRunner:
             else:
                 self.draft_format = None
 
+    def draft_bytes_share(self) -> float:
+        """Weight bytes a draft pass reads (the tail path's layers in the drafts' format, the draft head) ÷ those a
+        plain step reads (every layer, the whole lm_head): what a tail costs where weight reads set the pace."""
+        d = self.dmtd
+        tail = self.draft_weights[: d.thinking_start] + self.draft_weights[d.decoding_start:]
+        return ((_layer_bytes(tail) + _weight_bytes(self.draft_head()))
+                / (_layer_bytes(self.weights) + _weight_bytes(self.head)))
+
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
         self.draft_ids, self._draft_head = (None, None) if ids is None else (ids.to(self.device), None)
@@ -344,6 +352,16 @@ class ModelRunner:
         out = self.model.run_layers(inp, self.dmtd.thinking_start, self.dmtd.decoding_start, ctx.cos, ctx.sin,
                                     self.kv, ctx, self.weights)
         return out[:, -1:]
+
+
+def _weight_bytes(w: object) -> int:
+    if isinstance(w, lowbit.PackedWeight):
+        return w.data.numel() * w.data.element_size() + w.scales.numel() * w.scales.element_size()
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+
+
+def _layer_bytes(layers: list[LayerWeights]) -> int:
+    return sum(_weight_bytes(t) for lw in layers for t in lw)
 
 
 def fused_draft_args(layers: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]],
