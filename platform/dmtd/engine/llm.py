@@ -14,8 +14,7 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_policy import (STEADY_CATCH_UP, TAIL_PASS_OVERHEAD, PassCosts, best_num_drafts,
-                                      worth_exploring)
+from dmtd.engine.draft_policy import STEADY_CATCH_UP, TAIL_PASS_OVERHEAD, PassCosts, best_num_drafts, worth_exploring
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
