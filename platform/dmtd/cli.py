@@ -169,8 +169,9 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
                     profile: str, dtype: str, quant: str) -> dict[str, Any]:
     """One request of ``dmtd generate`` on a local engine: stream it, report it, compare it with τ = 1."""
     tau = params.cycle_len
-    if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs
-        _stream_local(engine, prompt_ids, dataclasses.replace(params, max_new_tokens=4), echo=False)
+    if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs: 16 tokens run
+        # each check width twice or more (a shape's first passes cost several plain steps: TorchScript profiles them)
+        _stream_local(engine, prompt_ids, dataclasses.replace(params, max_new_tokens=16), echo=False)
     run = _stream_local(engine, prompt_ids, params, echo=not args.json)
     tokens, blocks, tok_s = run.tokens, run.blocks, run.tokens_per_s
     mean_block = sum(blocks) / len(blocks) if blocks else 0.0
