@@ -94,9 +94,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
-                   help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512, else float32; float32 "
-                   "for the exact profile, whose tokens are then the verifier's bit for bit; the default unless "
-                   "the variant recommends one)")
+                   help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512 or AVX2, else float32; "
+                   "float32 for the exact profile, whose tokens are then the verifier's bit for bit; the default "
+                   "unless the variant recommends one)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="weight-only low-bit projections and lm_head (CPU kernels built once for this CPU; "
                    "default: the variant's recommendation, else none)")

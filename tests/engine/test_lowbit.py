@@ -265,3 +265,20 @@ def test_top1_is_the_first_argmax_and_its_softmax_probability(n):
         assert idx[[0, 1]].tolist() == xs[[0, 1]].float().argmax(-1).tolist() and int(idx[0]) == n // 3
         torch.testing.assert_close(p[:2], torch.softmax(xs[:2].float(), -1).amax(-1), rtol=1e-5, atol=1e-7)
         assert torch.isnan(p[2:]).all()
+
+
+def test_a_build_killed_midway_does_not_hang_later_loads(tmp_path):
+    """torch's builder leaves its lock file behind when its process is killed mid-build (Ctrl-C on a first run);
+    the next process must not wait on it forever."""
+    import shutil
+
+    build = lowbit._build_dir()
+    cache = tmp_path / "cache"
+    shutil.copytree(build, cache / "kernels" / build.name)  # the built kernels, mtimes kept: nothing to rebuild
+    (cache / "kernels" / build.name / "lock").touch()  # what the killed build left
+    code = "from dmtd.engine import lowbit; lowbit.load_kernels(); print(lowbit.kernels_loaded())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DMTD_CACHE": str(cache)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    assert not (cache / "kernels" / build.name / "lock").exists()

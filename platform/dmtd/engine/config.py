@@ -191,7 +191,7 @@ class EngineConfig:
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
     adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
     # exact profile: the drafts' weights. "int8": int8 × int8 dot products (dmtd.engine.lowbit's i8dot, ~2x
-    # faster than bf16 at one row); "none": the engine's own; "auto": int8 where this CPU has AVX512-VNNI
+    # faster than bf16 at one row); "none": the engine's own; "auto": int8 where this CPU has AVX512-VNNI or AVX2
     draft_quant: str = "auto"
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ Formats (weights stored output-major, ``[N, K]``, in groups of 32 along K):
 * ``int4`` — a scale and a minimum per group, ``w ≈ d·q + m`` with ``q`` in 0..15 (0.75 bytes each,
   the layout of GGUF's Q4_1);
 * ``i8dot`` — int8 with one scale per output row, multiplied by activations that the kernel quantises to
-  int8 per block of 64 inputs (AVX512-VNNI integer dot products; ~1 byte each). Coarser than ``int8``: the
+  int8 per block of 64 inputs (integer dot products: AVX512-VNNI, else AVX2; ~1 byte each). Coarser than ``int8``: the
   exact profile's drafts use it (:func:`draft_format`), whose tokens the base model checks anyway.
 
 The kernels (``kernels/lowbit.cpp``, registered as ``torch.ops.dmtd.linear``) are compiled once for
@@ -21,6 +21,7 @@ the CPU that runs them with the C++ compiler torch's extension builder finds, an
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 import dmtd.engine.ops  # noqa: F401 — defines the dmtd::linear schema
 from dmtd.engine.config import ConfigError
-from dmtd.engine.ops import AMX_MIN_ROWS, cpu_flags
+from dmtd.engine.ops import AMX_MIN_ROWS, cpu_flags, simd_kernels  # noqa: F401 — cpu_flags re-exported
 
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
@@ -83,9 +84,15 @@ def load_kernels() -> None:
                 build.mkdir(parents=True, exist_ok=True)
                 if not any(build.glob("*.so")):
                     print(f"compiling the low-bit kernels for this CPU (once; {build}) ...", file=sys.stderr)
-                cpp_extension.load(name="dmtd_lowbit", sources=[str(SOURCE)], build_directory=str(build),
-                                   extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                # torch's builder guards the folder with a lock file that a killed build leaves behind, and every
+                # later process then waits on it forever; an OS lock (dropped when its process dies) guards it
+                # instead, and whoever holds it clears a stale file of torch's
+                with open(build / "build.flock", "w") as guard:
+                    fcntl.flock(guard, fcntl.LOCK_EX)
+                    (build / "lock").unlink(missing_ok=True)
+                    cpp_extension.load(name="dmtd_lowbit", sources=[str(SOURCE)], build_directory=str(build),
+                                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
                 _loaded = True
             except Exception as e:  # noqa: BLE001 — no compiler, no ninja, a build error: all mean "not here"
                 _loaded, _load_error = False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
@@ -184,11 +191,11 @@ def unpack(p: PackedWeight) -> torch.Tensor:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """``auto``: bfloat16 on a CPU with AVX-512 (measured ~2x fp32 at batch 1 there, `dmtd bench engine`),
-    else float32."""
+    """``auto``: bfloat16 on a CPU with AVX-512 or AVX2 + FMA where the kernels build (measured ~2x fp32 at batch
+    1 with AVX-512, `dmtd bench engine`), else float32."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device == "cpu" and "avx512f" in cpu_flags() and kernels_available() else "float32"
+    return "bfloat16" if device == "cpu" and simd_kernels() and kernels_available() else "float32"
 
 
 def weight_format(dtype: str, quant: str, device: str = "cpu") -> str | None:
@@ -214,15 +221,16 @@ def weight_format(dtype: str, quant: str, device: str = "cpu") -> str | None:
 def draft_format(draft_quant: str, device: str = "cpu") -> str | None:
     """The packed format of the exact profile's draft weights (None: the engine's own weights).
 
-    ``auto`` is i8dot on a CPU with AVX512-VNNI where the kernels build (measured ~2x the bf16 kernel's
-    weights/s at one row); ``int8`` asks for it and raises :class:`KernelUnavailable` where it cannot run.
+    ``auto`` is i8dot on a CPU with AVX512-VNNI or AVX2 where the kernels build (measured ~2x the bf16 kernel's
+    weights/s at one row with VNNI, ~1.5-2x with AVX2); ``int8`` asks for it and raises :class:`KernelUnavailable`
+    where it cannot run.
     """
     if draft_quant == "none" or device != "cpu":
         if draft_quant == "int8":
             raise KernelUnavailable(f"draft_quant 'int8' runs on CPU only (device {device!r})")
         return None
     if draft_quant == "auto":
-        return "i8dot" if "avx512_vnni" in cpu_flags() and kernels_available() else None
+        return "i8dot" if simd_kernels() and kernels_available() else None
     if draft_quant != "int8":
         raise ConfigError(f"draft_quant must be auto, none or int8, got {draft_quant!r}")
     load_kernels()

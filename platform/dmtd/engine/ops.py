@@ -34,6 +34,13 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def simd_kernels() -> bool:
+    """Whether the CPU has the vector units the kernels are written for: AVX-512, or AVX2 with FMA (where the
+    kernels are ~4x torch's float32 product on a bf16 lm_head at one row, and 2-3 rows cost about one)."""
+    flags = cpu_flags()
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
+
+
 def _amx_min_rows() -> int:
     """From how many rows a bf16 product goes to torch's own matmul (oneDNN, which tiles it on AMX) instead of
     the bf16 kernel: 12 on a CPU with AMX-BF16, where torch's matmul measured 1.2x faster at 12 rows, 2.3-2.7x

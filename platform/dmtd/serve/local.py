@@ -44,7 +44,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="replicas' precision (default: the variant's recommendation, else auto: bfloat16 on a CPU "
-                   "with AVX-512)")
+                   "with AVX-512 or AVX2)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
     p.add_argument("--max-num-seqs", type=int, default=16)

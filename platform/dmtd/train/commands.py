@@ -276,7 +276,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="exact rows: stop drafting at a draft below this top-1 probability (default: the variant's "
                    "min_confidence)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32",
-                   help="precision of the engines judged and timed (auto: bfloat16 on a CPU with AVX-512); the "
+                   help="precision of the engines judged and timed (auto: bfloat16 on a CPU with AVX-512 or AVX2); the "
                    "judge and the teacher-forced agreement stay float32")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
                    help="weight-only quantisation of the engines judged and timed")

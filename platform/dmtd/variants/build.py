@@ -242,7 +242,7 @@ def variant_precision(variant: str | None, dtype: str | None, quant: str | None,
                       one_sequence: bool = False) -> tuple[str, str]:
     """dtype and quantisation to run: as given, else the variant manifest's recommendation, else auto / none.
 
-    ``auto`` is bfloat16 on a CPU with AVX-512 (:func:`dmtd.engine.lowbit.resolve_dtype`), except for the exact
+    ``auto`` is bfloat16 on a CPU with AVX-512 or AVX2 (:func:`dmtd.engine.lowbit.resolve_dtype`), except for the exact
     profile (``exact``; None: the variant's default profile) on an engine that batches requests, where it is
     float32. Verified cycles give the verifier's tokens bit for bit in float32 at any batch; in bfloat16 they do
     for one sequence at a time (``one_sequence``: a checked position is computed as that position alone —

@@ -65,7 +65,7 @@ class VariantManifest(BaseModel):
                                     "vocabulary, relative to the manifest; None = the full vocabulary")
     draft_vocab_sha256: str | None = Field(None, description="SHA-256 of the draft_vocab file")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="recommended precision: 'auto' = bfloat16 on a CPU with AVX-512, else float32")
+        "auto", description="recommended precision: 'auto' = bfloat16 on a CPU with AVX-512 or AVX2, else float32")
     quant: Literal["none", "int8", "int4"] = Field("none", description="recommended weight-only quantisation")
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@
 // two batched matmuls, a softmax, casts) that dominated a check's cost per extra position on CPU.
 //
 // Included by lowbit.cpp (built with -march=native): AVX-512 where the CPU has it and hd is a multiple of 16,
-// else plain loops.
+// else AVX2 with FMA where hd is a multiple of 8, else plain loops.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -15,11 +15,43 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
+#define DMTD_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(DMTD_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace dmtd_attend {
+
+#if defined(DMTD_AVX2)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp (Cephes' expf polynomial, ~1 ulp) for x in [−87, 88]; outside it x is clamped (exp(−87) ~1e-38 instead of
+// 0, exp(88) ~1.7e38 instead of inf); NaN stays NaN.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));  // NaN passes (2nd operand)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^n built in the exponent field (n in −126 .. 127 after the clamp)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 #if defined(__AVX512F__)
 // exp for x ≤ 0 (Cephes' expf polynomial, ~1 ulp); NaN stays NaN, x < −87 gives ~1e-38 instead of 0.
@@ -83,6 +115,44 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
       }
       const __m512 iv = _mm512_set1_ps(inv);
       for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(out + h * hd + 16 * c, _mm512_mul_ps(acc[c], iv));
+    }
+    return;
+  }
+#elif defined(DMTD_AVX2)
+  if (hd % 8 == 0 && hd <= 128) {
+    const int64_t C = hd / 8;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * hd;
+      __m256 qv[16];
+      for (int64_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qh + 8 * c);
+      int64_t t = 0;
+      for (; t < n; ++t) {
+        const float* kt = kk + t * hd;
+        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kt));
+        for (int64_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kt + 8 * c), a);
+        sc[t] = hsum256(a) * scale;
+      }
+      float mx = -INFINITY;
+      for (t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+      const __m256 mv = _mm256_set1_ps(mx);
+      __m256 sv = _mm256_setzero_ps();
+      for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mv));
+        _mm256_storeu_ps(sc + t, e);
+        sv = _mm256_add_ps(sv, e);
+      }
+      float sum = hsum256(sv);
+      for (; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+      const float inv = 1.f / sum;
+      __m256 acc[16];
+      for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+      for (t = 0; t < n; ++t) {
+        const __m256 w = _mm256_set1_ps(sc[t]);
+        const float* vt = vv + t * hd;
+        for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+      }
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(out + h * hd + 8 * c, _mm256_mul_ps(acc[c], iv));
     }
     return;
   }

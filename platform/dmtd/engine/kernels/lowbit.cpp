@@ -4,8 +4,9 @@
 // activation rows, so a decode step reads each weight byte once per eight rows of the batch.
 //
 // Registered as the CPU kernel of ``dmtd::linear`` (schema defined from Python in dmtd.engine.lowbit).
-// Built on the machine that runs it (-march=native): AVX-512 when the CPU has it, else plain C++ loops
-// that the compiler vectorises for whatever it finds.
+// Built on the machine that runs it (-march=native): AVX-512 when the CPU has it, else AVX2 with FMA (most
+// x86 CPUs of the last decade: AMD Zen, Intel Haswell on), else plain C++ loops that the compiler vectorises
+// for whatever it finds.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -27,7 +28,12 @@
 namespace {
 
 constexpr int64_t G = 32;   // weights per group
+#if !defined(__AVX512F__) && defined(DMTD_AVX2)
+constexpr int64_t MB = 4;   // activation rows per weight pass (16 ymm registers: two accumulators a row and a
+                            // group's four weight vectors)
+#else
 constexpr int64_t MB = 8;   // activation rows per weight pass
+#endif
 
 enum Mode : int64_t { BF16 = 1, INT8 = 2, INT4 = 3, I8DOT = 4 };
 constexpr int64_t QB = 64;  // I8DOT: activations quantised per block of 64 along K
@@ -88,6 +94,35 @@ inline void dequant_group_512(int64_t mode, const uint8_t* w, const float* s, in
     w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
   }
 }
+#elif defined(DMTD_AVX2)
+// The 32 weights of group g of row n as four 8-lane float vectors.
+inline void dequant_group_256(int64_t mode, const uint8_t* w, const float* s, int64_t K, int64_t n, int64_t g,
+                              __m256* wv) {
+  const int64_t ng = K / G;
+  if (mode == BF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w) + n * K + g * G;
+    for (int c = 0; c < 4; ++c)
+      wv[c] = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * c))), 16));
+  } else if (mode == INT8) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(w) + n * K + g * G;
+    const __m256 d = _mm256_set1_ps(s[n * ng + g]);
+    for (int c = 0; c < 4; ++c)
+      wv[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)))));
+  } else {
+    const uint8_t* p = w + (n * K + g * G) / 2;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));                     // weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));  // weights 16..31
+    const __m256 d = _mm256_set1_ps(s[2 * (n * ng + g)]);
+    const __m256 m = _mm256_set1_ps(s[2 * (n * ng + g) + 1]);
+    wv[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+    wv[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+    wv[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+    wv[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+  }
+}
 #endif
 
 // Rows n0..n1 of y for the MBT activation rows from m0 (a compile-time count, so the accumulators stay in
@@ -113,6 +148,26 @@ void rows_kernel(int64_t mode, const uint8_t* w, const float* s, const float* x,
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MBT; ++i) y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+  }
+#elif defined(DMTD_AVX2)
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 a0[MBT], a1[MBT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MBT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 wv[4];
+      dequant_group_256(mode, w, s, K, n, g, wv);
+      const float* xg = x + m0 * K + g * G;
+#pragma GCC unroll 8
+      for (int i = 0; i < MBT; ++i) {
+        a0[i] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xg + i * K), a0[i]);
+        a1[i] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xg + i * K + 8), a1[i]);
+        a0[i] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xg + i * K + 16), a0[i]);
+        a1[i] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xg + i * K + 24), a1[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MBT; ++i) y[(m0 + i) * N + n] = dmtd_attend::hsum256(_mm256_add_ps(a0[i], a1[i]));
   }
 #else
   float wg[G];
@@ -153,13 +208,15 @@ void rows(int64_t mb, int64_t mode, const uint8_t* w, const float* s, const floa
 // block at a time, then scaled and summed in float. No per-weight conversion: the weights stream at memory speed.
 struct QuantX {
   std::vector<uint8_t> mag;   // [M, K] |q|
+  std::vector<int8_t> sq;     // [M, K] q (AVX2: the signs come from here)
   std::vector<uint64_t> neg;  // [M, K/64] bit j: q_j < 0
   std::vector<float> d;       // [M, K/64] block scales
 };
 
 QuantX quantise_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QB;
-  QuantX q{std::vector<uint8_t>(M * K), std::vector<uint64_t>(M * nb), std::vector<float>(M * nb)};
+  QuantX q{std::vector<uint8_t>(M * K), std::vector<int8_t>(M * K), std::vector<uint64_t>(M * nb),
+           std::vector<float>(M * nb)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * QB;
@@ -170,6 +227,7 @@ QuantX quantise_rows(const float* x, int64_t M, int64_t K) {
       for (int64_t j = 0; j < QB; ++j) {
         const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
         q.mag[m * K + b * QB + j] = static_cast<uint8_t>(v < 0 ? -v : v);
+        q.sq[m * K + b * QB + j] = static_cast<int8_t>(v);
         if (v < 0) neg |= uint64_t{1} << j;
       }
       q.neg[m * nb + b] = neg;
@@ -203,6 +261,34 @@ void i8dot_kernel(const int8_t* w, const float* s, const QuantX& q, float* y, in
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MBT; ++i) y[(m0 + i) * N + n] = s[n] * _mm512_reduce_add_ps(acc[i]);
+  }
+#elif defined(DMTD_AVX2)
+  // vpmaddubsw (|x| unsigned × signed weights, pairs summed to int16: at most 2·127·127, no saturation) then
+  // vpmaddwd by ones to int32; the signs move onto the weights with vpsignb (weights are −127..127)
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[MBT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MBT; ++i) acc[i] = _mm256_setzero_ps();
+    const int8_t* wr = w + n * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * QB));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * QB + 32));
+#pragma GCC unroll 8
+      for (int i = 0; i < MBT; ++i) {
+        const int64_t m = m0 + i, o = m * K + b * QB;
+        const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sq.data() + o));
+        const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sq.data() + o + 32));
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.mag.data() + o));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.mag.data() + o + 32));
+        const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(x0, _mm256_sign_epi8(w0, s0)), ones);
+        const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(x1, _mm256_sign_epi8(w1, s1)), ones);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(q.d[m * nb + b]),
+                                 acc[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MBT; ++i) y[(m0 + i) * N + n] = s[n] * dmtd_attend::hsum256(acc[i]);
   }
 #else
   for (int64_t n = n0; n < n1; ++n) {
@@ -388,6 +474,14 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
                                               _mm512_loadu_ps(g + inter + j)));
       }
 #endif
+#if !defined(__AVX512F__) && defined(DMTD_AVX2)
+      for (; j + 8 <= inter; j += 8) {
+        const __m256 a = _mm256_loadu_ps(g + j);
+        const __m256 e = dmtd_attend::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                              _mm256_loadu_ps(g + inter + j)));
+      }
+#endif
       for (; j < inter; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * g[inter + j];
     }
     h.add_(linear(act, dn_w[i], dn_s[i], mode));
@@ -447,6 +541,11 @@ std::tuple<at::Tensor, at::Tensor> top1(const at::Tensor& x_in) {
     const __m512 m = _mm512_set1_ps(mx);
     for (; j + 16 <= N; j += 16) acc = _mm512_add_ps(acc, dmtd_attend::exp512(_mm512_sub_ps(_mm512_loadu_ps(v + j), m)));
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(DMTD_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(mx);
+    for (; j + 8 <= N; j += 8) acc = _mm256_add_ps(acc, dmtd_attend::exp256(_mm256_sub_ps(_mm256_loadu_ps(v + j), m)));
+    sum = dmtd_attend::hsum256(acc);
 #endif
     for (; j < N; ++j) sum += std::exp(v[j] - mx);
     idx.data_ptr<int64_t>()[r] = best;
