@@ -11,7 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dmtd.engine.lowbit import cpu_flags, load_kernels, pack
+from dmtd.engine.lowbit import load_kernels, pack
+from dmtd.engine.ops import cpu_flags
 from dmtd.engine.ops import AMX_MIN_ROWS
 
 

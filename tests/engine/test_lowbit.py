@@ -12,7 +12,7 @@ import torch
 from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.ops import AMX_MIN_ROWS, NEVER
+from dmtd.engine.ops import AMX_MIN_ROWS, NEVER, cpu_flags
 from dmtd.engine.sequence import SamplingParams
 from tests.conftest import tiny_model
 
@@ -74,9 +74,9 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
 
 
 def test_bf16_products_of_many_rows_take_amx_where_the_cpu_has_it():
-    assert (12 if "amx_bf16" in lowbit.cpu_flags() else NEVER) == AMX_MIN_ROWS
+    assert (12 if "amx_bf16" in cpu_flags() else NEVER) == AMX_MIN_ROWS
     env = {**os.environ, "DMTD_AMX_MIN_ROWS": "0"}
-    out = subprocess.run([sys.executable, "-c", "from dmtd.engine.ops import AMX_MIN_ROWS, NEVER; "
+    out = subprocess.run([sys.executable, "-c", "from dmtd.engine.ops import AMX_MIN_ROWS, NEVER, cpu_flags; "
                           "print(AMX_MIN_ROWS == NEVER)"], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import dmtd.engine.ops  # noqa: F401 — defines the dmtd::linear schema
 from dmtd.engine.config import ConfigError
-from dmtd.engine.ops import AMX_MIN_ROWS, cpu_flags, simd_kernels  # noqa: F401 — cpu_flags re-exported
+from dmtd.engine.ops import AMX_MIN_ROWS, simd_kernels
 
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")

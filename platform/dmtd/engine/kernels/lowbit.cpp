@@ -208,14 +208,19 @@ void rows(int64_t mb, int64_t mode, const uint8_t* w, const float* s, const floa
 // block at a time, then scaled and summed in float. No per-weight conversion: the weights stream at memory speed.
 struct QuantX {
   std::vector<uint8_t> mag;   // [M, K] |q|
-  std::vector<int8_t> sq;     // [M, K] q (AVX2: the signs come from here)
+  std::vector<int8_t> sq;     // [M, K] q, filled only where the AVX2 path reads it (its signs come from here)
   std::vector<uint64_t> neg;  // [M, K/64] bit j: q_j < 0
   std::vector<float> d;       // [M, K/64] block scales
 };
 
 QuantX quantise_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QB;
-  QuantX q{std::vector<uint8_t>(M * K), std::vector<int8_t>(M * K), std::vector<uint64_t>(M * nb),
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(DMTD_AVX2)
+  constexpr bool signed_q = true;
+#else
+  constexpr bool signed_q = false;
+#endif
+  QuantX q{std::vector<uint8_t>(M * K), std::vector<int8_t>(signed_q ? M * K : 0), std::vector<uint64_t>(M * nb),
            std::vector<float>(M * nb)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -227,7 +232,7 @@ QuantX quantise_rows(const float* x, int64_t M, int64_t K) {
       for (int64_t j = 0; j < QB; ++j) {
         const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
         q.mag[m * K + b * QB + j] = static_cast<uint8_t>(v < 0 ? -v : v);
-        q.sq[m * K + b * QB + j] = static_cast<int8_t>(v);
+        if (signed_q) q.sq[m * K + b * QB + j] = static_cast<int8_t>(v);
         if (v < 0) neg |= uint64_t{1} << j;
       }
       q.neg[m * nb + b] = neg;
