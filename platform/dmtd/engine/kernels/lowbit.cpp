@@ -31,6 +31,11 @@ constexpr int64_t G = 32;   // weights per group
 #if !defined(__AVX512F__) && defined(DMTD_AVX2)
 constexpr int64_t MB = 4;   // activation rows per weight pass (16 ymm registers: two accumulators a row and a
                             // group's four weight vectors)
+// Software prefetch this many bytes ahead of the weight stream: the AVX2 machines measured (AMD EPYC, 2 cores)
+// stream a decode step's weights from memory 6-9 % faster with it than on the hardware prefetcher alone
+// (the engine's verify and draft passes, the distance a runtime switch, interleaved in one process: 512 B -4 %,
+// 1 KiB -9 %, 2 KiB -4 %).
+constexpr int64_t PF = 1024;
 #else
 constexpr int64_t MB = 8;   // activation rows per weight pass
 #endif
@@ -150,12 +155,14 @@ void rows_kernel(int64_t mode, const uint8_t* w, const float* s, const float* x,
     for (int i = 0; i < MBT; ++i) y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
   }
 #elif defined(DMTD_AVX2)
+  const int64_t wbits = mode == BF16 ? 16 : mode == INT8 ? 8 : 4;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 a0[MBT], a1[MBT];
 #pragma GCC unroll 8
     for (int i = 0; i < MBT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
       __m256 wv[4];
+      _mm_prefetch(reinterpret_cast<const char*>(w) + (n * K + g * G) * wbits / 8 + PF, _MM_HINT_T0);
       dequant_group_256(mode, w, s, K, n, g, wv);
       const float* xg = x + m0 * K + g * G;
 #pragma GCC unroll 8
@@ -277,6 +284,7 @@ void i8dot_kernel(const int8_t* w, const float* s, const QuantX& q, float* y, in
     for (int i = 0; i < MBT; ++i) acc[i] = _mm256_setzero_ps();
     const int8_t* wr = w + n * K;
     for (int64_t b = 0; b < nb; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + b * QB) + PF, _MM_HINT_T0);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * QB));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * QB + 32));
 #pragma GCC unroll 8
