@@ -73,6 +73,27 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
         assert torch.equal(p.project(x[i: i + 1])[0], together[i])
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, "i8dot"])
+def test_the_prefetch_distance_changes_no_bit_and_refuses_a_bad_one(fmt):
+    """dmtd::set_prefetch (scripts/bench_prefetch.py) changes how far ahead the weights are fetched, never a value;
+    a distance outside 0..65536 is refused naming the rule, and the one before stays."""
+    torch.manual_seed(2)
+    p = lowbit.pack(torch.randn(300, 256), fmt)
+    x = torch.randn(3, 256)
+    before = torch.ops.dmtd.set_prefetch(x, 0)
+    try:
+        none = p.project(x)
+        for d in (64, 1024, 4096):
+            torch.ops.dmtd.set_prefetch(x, d)
+            assert torch.equal(p.project(x), none)
+        with pytest.raises(RuntimeError, match="bytes must be in 0..65536"):
+            torch.ops.dmtd.set_prefetch(x, -1)
+        assert torch.ops.dmtd.set_prefetch(x, 4096) == 4096
+    finally:
+        torch.ops.dmtd.set_prefetch(x, before)
+    assert before == 2048  # the default
+
+
 def test_bf16_products_of_many_rows_take_amx_where_the_cpu_has_it():
     assert (12 if "amx_bf16" in cpu_flags() else NEVER) == AMX_MIN_ROWS
     env = {**os.environ, "DMTD_AMX_MIN_ROWS": "0"}

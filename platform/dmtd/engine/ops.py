@@ -22,6 +22,9 @@ _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s
 _LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor lens, float scale) -> Tensor")
 # Each row's first argmax and its softmax probability (greedy picks and checks): logits [n, N] -> (idx, p).
 _LIB.define("top1(Tensor x) -> (Tensor, Tensor)")
+# The AVX2 products' software prefetch distance in bytes (0: none; kernels/lowbit.cpp); returns the one before.
+# ``x``: any CPU tensor (it routes the call to the kernels).
+_LIB.define("set_prefetch(Tensor x, int bytes) -> int")
 
 
 def cpu_flags() -> set[str]:

@@ -31,15 +31,14 @@ constexpr int64_t G = 32;   // weights per group
 #if !defined(__AVX512F__) && defined(DMTD_AVX2)
 constexpr int64_t MB = 4;   // activation rows per weight pass (16 ymm registers: two accumulators a row and a
                             // group's four weight vectors)
-// Software prefetch this many bytes ahead of the weight stream: the AVX2 machines measured (AMD EPYC, 2 cores)
-// stream a decode step's weights from memory 6-9 % faster with it than on the hardware prefetcher alone
-// (the engine's verify and draft passes, the distance a runtime switch, interleaved in one process: 512 B -4 %,
-// 1 KiB -9 %, 2 KiB -4 %).
-constexpr int64_t PF = 1024;
 #else
 constexpr int64_t MB = 8;   // activation rows per weight pass
 #endif
 
+// Software prefetch this many bytes ahead of the weight stream (0: none; dmtd::set_prefetch changes it, for
+// scripts/bench_prefetch.py): on the AVX2 machine measured (AMD EPYC Milan, 2 cores) a decode step streams its
+// weights from memory 3-8 % faster with it (2 KiB) than on the hardware prefetcher alone.
+std::atomic<int64_t> g_prefetch{2048};
 enum Mode : int64_t { BF16 = 1, INT8 = 2, INT4 = 3, I8DOT = 4 };
 constexpr int64_t QB = 64;  // I8DOT: activations quantised per block of 64 along K
 
@@ -156,13 +155,14 @@ void rows_kernel(int64_t mode, const uint8_t* w, const float* s, const float* x,
   }
 #elif defined(DMTD_AVX2)
   const int64_t wbits = mode == BF16 ? 16 : mode == INT8 ? 8 : 4;
+  const int64_t PF = g_prefetch.load(std::memory_order_relaxed);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 a0[MBT], a1[MBT];
 #pragma GCC unroll 8
     for (int i = 0; i < MBT; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
       __m256 wv[4];
-      _mm_prefetch(reinterpret_cast<const char*>(w) + (n * K + g * G) * wbits / 8 + PF, _MM_HINT_T0);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(w) + (n * K + g * G) * wbits / 8 + PF, _MM_HINT_T0);
       dequant_group_256(mode, w, s, K, n, g, wv);
       const float* xg = x + m0 * K + g * G;
 #pragma GCC unroll 8
@@ -278,13 +278,14 @@ void i8dot_kernel(const int8_t* w, const float* s, const QuantX& q, float* y, in
   // vpmaddubsw (|x| unsigned × signed weights, pairs summed to int16: at most 2·127·127, no saturation) then
   // vpmaddwd by ones to int32; the signs move onto the weights with vpsignb (weights are −127..127)
   const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t PF = g_prefetch.load(std::memory_order_relaxed);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[MBT];
 #pragma GCC unroll 8
     for (int i = 0; i < MBT; ++i) acc[i] = _mm256_setzero_ps();
     const int8_t* wr = w + n * K;
     for (int64_t b = 0; b < nb; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + b * QB) + PF, _MM_HINT_T0);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr + b * QB) + PF, _MM_HINT_T0);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * QB));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + b * QB + 32));
 #pragma GCC unroll 8
@@ -591,7 +592,15 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor
   return out;
 }
 
+// The prefetch distance of the AVX2 products in bytes (0: none); returns the one before. ``x`` only routes the call.
+int64_t set_prefetch(const at::Tensor& x, int64_t bytes) {
+  (void)x;
+  TORCH_CHECK(bytes >= 0 && bytes <= 65536, "dmtd::set_prefetch: bytes must be in 0..65536, got ", bytes);
+  return g_prefetch.exchange(bytes);
+}
+
 TORCH_LIBRARY_IMPL(dmtd, CPU, m) {
+  m.impl("set_prefetch", &set_prefetch);
   m.impl("attend", &attend);
   m.impl("top1", &top1);
   m.impl("linear", &linear);
