@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dmtd.engine.config import EngineConfig
-from dmtd.engine.draft_policy import (
-    ConfidenceCalibration,
-    PassCosts,
-    best_num_drafts,
-    expected_tokens,
-    worth_another_draft,
-    worth_exploring,
-)
+from dmtd.engine.draft_policy import PassCosts, best_num_drafts, expected_tokens, worth_exploring
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import SamplingParams
 from tests.conftest import tiny_engine
@@ -161,44 +154,3 @@ def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
         shares[dq] = r.draft_bytes_share()
         assert eng.pass_costs.tail_prior == pytest.approx(min(0.45, shares[dq] + TAIL_PASS_OVERHEAD))
     assert shares["int8"] < 0.5 * shares["none"]
-
-
-def test_calibration_starts_at_the_confidence_and_learns_per_bin_and_position():
-    cal = ConfidenceCalibration()
-    assert cal.p(0.95) == pytest.approx(0.95) and cal.p(0.12) == pytest.approx(0.15)  # prior: the bin's midpoint
-    for k in range(96):  # drafts of confidence 0.1-0.2 accepted 1 in 4, at the cycle's first position
-        cal.observe(0.15, k % 4 == 0, greedy=True, position=0)
-    assert cal.p(0.15) == pytest.approx((24 + 0.15 * 4) / (96 + 4))
-    assert cal.p(0.15, greedy=False) == pytest.approx(0.15)  # sampled requests keep their own counts
-    assert cal.p(0.85) == pytest.approx(0.85)  # other bins untouched
-    assert cal.acceptance_at(0) == pytest.approx((24 + 0.5 * 4) / (96 + 4))
-    assert cal.acceptance_at(1) == pytest.approx(0.5)  # nothing seen at the second position: the prior
-
-
-def test_one_more_draft_only_after_drafts_likely_to_be_accepted():
-    costs = PassCosts(checks={(1, 1): 1.0, (1, 2): 1.1, (1, 3): 1.16}, drafts={1: 0.18})
-    assert worth_another_draft([0.95], 0.55, 1, costs)  # a sure first draft: a second one pays
-    assert not worth_another_draft([0.2], 0.55, 1, costs)  # an unsure one: the second is mostly wasted
-    assert not worth_another_draft([0.95], 0.05, 1, costs)  # nor after a sure one if the next is never accepted
-    dear = PassCosts(checks={(1, 1): 1.0, (1, 2): 1.6, (1, 3): 2.2}, drafts={1: 0.6})
-    assert not worth_another_draft([0.95], 0.55, 1, dear)
-
-
-def test_confidence_stops_keep_exactness_and_draft_less_when_drafts_are_unsure():
-    base = base_model(1, 1.0)  # the tails disagree with the verifier: drafts are rejected
-    prompts = prompts_of([5, 9, 13, 4], 1)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
-    made = {}
-    for stops in (False, True):
-        eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True,
-                                                       confidence_stops=stops, draft_quant="none"),
-                        default_cycle_len=1, eos_token_ids=[])
-        eng.pass_costs = PassCosts(checks={(b, r): 1.0 + 0.02 * r for b in range(1, 5) for r in range(1, 5)},
-                                   drafts={b: 0.25 for b in range(1, 5)})
-        eng.pass_costs.decay = 1.0
-        for k in range(200):  # a variant whose drafts are never accepted, whatever their confidence
-            eng.calibration.observe(k / 200, False, position=k % 3)
-        got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
-        assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-        made[stops] = sum(r.num_drafted for r in got)
-    assert made[True] < made[False]  # one draft a cycle at most, not the τ − 1 the averages' prior allows

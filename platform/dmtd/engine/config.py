@@ -190,11 +190,6 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
     adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
-    # with adaptive_drafts: after each draft, draft one more only if the drafts' confidences make it pay
-    # (dmtd.engine.draft_policy.worth_another_draft), instead of a length chosen before the cycle from averages.
-    # Off by default: on the AVX2 EPYC it made the cycles it predicts 2.8 % cheaper but no faster measured wall
-    # clock on the chat prompts (docs/benchmarks.md)
-    confidence_stops: bool = False
     # exact profile: the drafts' weights. "int8": int8 × int8 dot products (dmtd.engine.lowbit's i8dot, ~2x
     # faster than bf16 at one row); "none": the engine's own; "auto": int8 where this CPU has AVX512-VNNI or AVX2
     draft_quant: str = "auto"

@@ -105,85 +105,16 @@ class PassCosts:
         return check_cost + num_drafts * self.tail_share(batch, unit)
 
 
-@dataclass(slots=True)
-class ConfidenceCalibration:
-    """How often a draft is accepted given its confidence (the tail head's top-1 probability), learned as the
-    engine runs: counts per confidence bin of the drafts a check reached (every draft before them accepted), with
-    a prior of ``PRIOR_WEIGHT`` pseudo-drafts at the bin's midpoint confidence. Greedy and sampled requests keep
-    separate counts (a sampled draft's acceptance is a coin flip on ``p / q``, not an argmax match). A property
-    of the variant and its prompts, not of one request: one table per engine."""
-
-    bins: int = 10
-    counts: dict[bool, list[list[float]]] = field(default_factory=dict)  # greedy -> per bin [accepted, reached]
-    by_pos: dict[bool, list[list[float]]] = field(default_factory=dict)  # greedy -> per draft position, the same
-
-    def _table(self, greedy: bool) -> list[list[float]]:
-        if greedy not in self.counts:
-            self.counts[greedy] = [[0.0, 0.0] for _ in range(self.bins)]
-        return self.counts[greedy]
-
-    def _bin(self, conf: float) -> int:
-        return min(self.bins - 1, max(0, int(conf * self.bins)))
-
-    def observe(self, conf: float, accepted: bool, greedy: bool = True, position: int = 0) -> None:
-        """One draft a check reached: its confidence, whether it was accepted, its position in the cycle."""
-        for cell in (self._table(greedy)[self._bin(conf)], self._position(greedy, position)):
-            cell[0] += accepted
-            cell[1] += 1
-
-    def _position(self, greedy: bool, j: int) -> list[float]:
-        rows = self.by_pos.setdefault(greedy, [])
-        while len(rows) <= j:
-            rows.append([0.0, 0.0])
-        return rows[j]
-
-    def acceptance_at(self, j: int, greedy: bool = True, prior: float = PRIOR_ACCEPTANCE) -> float:
-        """The chance that draft ``j`` (0-based) of a cycle is accepted, its confidence unknown, once every draft
-        before it was. Engine-wide, not per request: a request's own few cycles read far lower by chance, and a
-        request that then stopped drafting that far never corrected it (measured: the second draft's acceptance
-        on chat prompts is 0.47-0.64 whatever the first draft's confidence)."""
-        acc, n = self._position(greedy, j)
-        return (acc + prior * PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
-
-    def p(self, conf: float, greedy: bool = True) -> float:
-        """The chance that a draft of this confidence is accepted (once every draft before it was)."""
-        b = self._bin(conf)
-        acc, n = self._table(greedy)[b]
-        return (acc + (b + 0.5) / self.bins * PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
-
-
-def conditional_acceptance(accepted_by_pos: list[int], drafted_by_pos: list[int], j: int,
-                           prior: float = PRIOR_ACCEPTANCE) -> float:
-    """``a_j``: the chance that draft ``j`` (0-based) is accepted given the ones before it were, smoothed toward
-    ``prior``; draft j counts only in cycles that drafted it after j − 1 accepted drafts."""
-    acc = accepted_by_pos[j] if j < len(accepted_by_pos) else 0
-    drafted = drafted_by_pos[j] if j < len(drafted_by_pos) else 0
-    reached = drafted if j == 0 else min(drafted, accepted_by_pos[j - 1] if j - 1 < len(accepted_by_pos) else 0)
-    return (acc + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
-
-
-def worth_another_draft(accept_chances: list[float], next_acceptance: float, batch: int, costs: PassCosts) -> bool:
-    """Whether a cycle that has drafted ``len(accept_chances)`` tokens, each accepted with the chance given (from
-    its confidence: :class:`ConfidenceCalibration`), should draft one more, accepted with ``next_acceptance`` if
-    all before it were: only if the cycle's expected tokens per unit of cost rise with it.
-
-    It decides after each draft from what that draft showed, not before the cycle from averages: on chat prompts a
-    draft's confidence tells its fate (the shipped variant in bf16, `scripts/exact_chats.py` prints the table: one
-    of < 0.2 was accepted about 1 time in 5, one of > 0.8 nearly always)."""
-    m = len(accept_chances)
-    expected, run = 1.0, 1.0
-    for a in accept_chances:
-        run *= a
-        expected += run
-    return (expected + run * next_acceptance) / costs.cycle_cost(batch, m + 1) > expected / costs.cycle_cost(batch, m)
-
-
 def expected_tokens(accepted_by_pos: list[int], drafted_by_pos: list[int], num_drafts: int,
                     prior: float = PRIOR_ACCEPTANCE) -> float:
     """``1 + a_1 + a_1·a_2 + …`` over ``num_drafts`` positions, each ``a_j`` smoothed toward ``prior``."""
     total, run = 1.0, 1.0
     for j in range(num_drafts):
-        run *= conditional_acceptance(accepted_by_pos, drafted_by_pos, j, prior)
+        acc = accepted_by_pos[j] if j < len(accepted_by_pos) else 0
+        drafted = drafted_by_pos[j] if j < len(drafted_by_pos) else 0
+        # a_j is conditional: draft j counts only in cycles that drafted it after j − 1 accepted drafts
+        reached = drafted if j == 0 else min(drafted, accepted_by_pos[j - 1] if j - 1 < len(accepted_by_pos) else 0)
+        run *= (acc + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
         total += run
     return total
 

@@ -14,15 +14,7 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_policy import (
-    STEADY_CATCH_UP,
-    TAIL_PASS_OVERHEAD,
-    ConfidenceCalibration,
-    PassCosts,
-    best_num_drafts,
-    worth_another_draft,
-    worth_exploring,
-)
+from dmtd.engine.draft_policy import STEADY_CATCH_UP, TAIL_PASS_OVERHEAD, PassCosts, best_num_drafts, worth_exploring
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -130,7 +122,6 @@ class LLMEngine:
         self._draft_q: dict[str, list[torch.Tensor | None]] = {}
         self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
         self.pass_costs = PassCosts()  # what the draft policy learns of this machine
-        self.calibration = ConfidenceCalibration()  # ... and of the variant: acceptance by draft confidence
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -266,32 +257,15 @@ class LLMEngine:
     def _choose_drafts(self, seq: Sequence) -> None:
         """With ``adaptive_drafts``: the next cycle's draft count, from this request's acceptance so far and the
         measured pass costs (a plain base step when no count pays); every 8th cycle drafts one more, to keep
-        measuring, where one more could pay at all (``worth_exploring``). With ``confidence_stops`` a cycle that
-        drafts at all may draft up to τ − 1: after each draft, :meth:`_stop_drafts` decides on."""
+        measuring, where one more could pay at all (``worth_exploring``)."""
         if not self.cfg.adaptive_drafts:
             return
         seq.draft_target = None
         most, batch = seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running)
         best = best_num_drafts(most, batch, self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
-        if best >= 1 and self.cfg.confidence_stops:
-            return
         explore = (seq.num_heads + 1) % 8 == 0 and worth_exploring(best, most, batch, self.pass_costs,
                                                                    seq.accepted_by_pos, seq.drafted_by_pos)
         seq.draft_target = best + 1 if explore else best
-
-    def _stop_drafts(self, seqs: list[Sequence]) -> None:
-        """With ``adaptive_drafts`` and ``confidence_stops``: end each row's drafting where one more draft would
-        not pay, given the chances of its drafts so far (by their confidences) and the next one's."""
-        if not (self.cfg.adaptive_drafts and self.cfg.confidence_stops):
-            return
-        batch = len(self.scheduler.running)
-        for s in seqs:
-            if s.draft_done:
-                continue
-            chances = [self.calibration.p(c, s.params.greedy) for c in s.draft_confs]
-            nxt = self.calibration.acceptance_at(len(chances), s.params.greedy)
-            if not worth_another_draft(chances, nxt, batch, self.pass_costs):
-                s.draft_done = True
 
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
@@ -318,7 +292,6 @@ class LLMEngine:
             self._draft_q.setdefault(seqs[i].req_id, []).append(d.q[i])
         self.scheduler.postprocess_drafts([seqs[i] for i in keep], [d.tokens[i] for i in keep],
                                           [d.confidences[i] for i in keep], self.eos_ids)
-        self._stop_drafts([seqs[i] for i in keep])
         if catch_up <= STEADY_CATCH_UP:  # a resuming pass is no draft's steady cost: counted, it kept a request that
             # had stopped drafting from ever resuming
             self.pass_costs.observe_draft(len(seqs), time.perf_counter() - t0 if since is not None else dt,
@@ -337,8 +310,6 @@ class LLMEngine:
             if not c.finite:
                 results += self._fail([s])
                 continue
-            for j, conf in enumerate(s.draft_confs[: c.num_accepted + 1]):  # the drafts the check reached
-                self.calibration.observe(conf, j < c.num_accepted, s.params.greedy, j)
             generated = s.num_generated
             self._choose_drafts(s)  # before the check is applied: it decides from the new target whether to draft
             events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)

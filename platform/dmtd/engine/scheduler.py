@@ -175,7 +175,6 @@ class Scheduler:
         for seq, tok, conf in zip(seqs, tokens, confidences):
             seq.num_tail_cached = seq.draft_position + 1  # the tail wrote its KV at the position it fed
             seq.drafts.append(tok)
-            seq.draft_confs.append(conf)
             stop = tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in eos_ids)
             if stop or conf < seq.params.min_confidence or len(seq.drafts) >= seq.max_drafts(self.max_model_len):
                 seq.draft_done = True
@@ -198,7 +197,7 @@ class Scheduler:
                 seq.accepted_by_pos.append(0)
             seq.drafted_by_pos[j] += 1
             seq.accepted_by_pos[j] += j < num_accepted
-        seq.drafts, seq.draft_confs, seq.draft_done = [], [], False
+        seq.drafts, seq.draft_done = [], False
         events = []
         for j, (tok, conf) in enumerate(zip(tokens, confidences)):
             is_head = j == len(tokens) - 1

@@ -91,7 +91,6 @@ class Sequence:
     # verified cycles (``params.exact``): unchecked tail tokens, and the tail path's KV extent
     drafts: list[int] = field(default_factory=list)
     draft_done: bool = False  # the drafts await the next head's check
-    draft_confs: list[float] = field(default_factory=list)  # each draft's confidence (tail head's top-1 probability)
     num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
     num_drafted: int = 0
     num_accepted: int = 0
