@@ -4,9 +4,11 @@ prompt, the τ = 1 run and each configuration on one engine, greedy, up to 96 ne
 
     .venv/bin/python scripts/exact_chats.py --configs a3:0,f2:0 --dtype bfloat16 --draft-quants auto,none
 
-A configuration is ``<a|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
-``f`` fixed (up to τ − 1 drafts a cycle). Each prompt runs its configurations right after its own τ = 1 run, so
-machine drift between prompts cancels in the ratios; ``--rounds`` repeats the whole sweep.
+A configuration is ``<a|s|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
+``s`` adaptive with the drafts scoring the draft vocabulary alone (``EngineConfig.context_vocab`` off: not the
+prompt's and the answer's own ids outside it), ``f`` fixed (up to τ − 1 drafts a cycle). Each prompt runs its
+configurations right after its own τ = 1 run, so machine drift between prompts cancels in the ratios; ``--rounds``
+repeats the whole sweep.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ def main() -> None:
                             search_dirs=[SHIPPED_VARIANTS]) for v in variants}
     dqs = args.draft_quants.split(",")
     cfg = EngineConfig(max_num_seqs=1, max_model_len=4096, dtype=args.dtype)
-    engines = {(v, a, dq): build_engine(specs[v], dataclasses.replace(cfg, adaptive_drafts=a, draft_quant=dq))
-               for v in variants for a in (False, True) for dq in dqs}
+    modes = sorted({c[0] for c in args.configs.split(",")} | {"f"})
+    engines = {(v, a, dq): build_engine(specs[v], dataclasses.replace(cfg, adaptive_drafts=a != "f",
+                                                                      context_vocab=a != "s", draft_quant=dq))
+               for v in variants for a in modes for dq in dqs}
     configs = [(c + (f"/{dq}" if len(dqs) > 1 else "") + (f"@{Path(v).name}" if len(variants) > 1 else ""),
-                (v, c[0] == "a", dq), int(c[1:].split(":")[0]), float(c.split(":")[1]))
+                (v, c[0], dq), int(c[1:].split(":")[0]), float(c.split(":")[1]))
                for v in variants for dq in dqs for c in args.configs.split(",")]
 
-    def run(engine: tuple[str, bool, str], prompt: str, tau: int,
+    def run(engine: tuple[str, str, str], prompt: str, tau: int,
             threshold: float) -> tuple[list[int], float, int, int]:
         r = engines[engine].generate([[{"role": "user", "content": prompt}]], SamplingParams(
             max_new_tokens=args.max_new_tokens, cycle_len=tau, exact=True, min_confidence=threshold))[0]
@@ -64,7 +68,7 @@ def main() -> None:
     identical = total = 0
     for rnd in range(args.rounds):
         for prompt in CHATS:
-            ref, base, _, _ = run((variants[0], False, dqs[0]), prompt, 1, 0.0)
+            ref, base, _, _ = run((variants[0], "f", dqs[0]), prompt, 1, 0.0)
             line = f"{prompt[:34]:34s} {len(ref) - 1:3d} tok"
             for name, key, tau, threshold in configs:
                 ids, tok_s, acc, made = run(key, prompt, tau, threshold)

@@ -258,6 +258,24 @@ def test_restricted_draft_vocabulary_keeps_exactness_and_must_hold_eos():
         exact_engine(base, draft_vocab=[1, 1, 2])
 
 
+def test_greedy_drafts_may_propose_context_ids_outside_the_draft_vocabulary():
+    """A greedy request's drafts also score the ids of its own context (prompt and answer so far) that the draft
+    vocabulary lacks: with a vocabulary holding none of the answer's tokens, only such ids can be accepted, and
+    they are, once the answer repeats itself; sampled requests keep the vocabulary as it is."""
+    base = base_model(3, 0.0)  # tails agree with the verifier
+    prompts = prompts_of([7, 11], 3)
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    used = {t for r in ref for t in r.token_ids}
+    vocab = [i for i in range(97) if i not in used]
+    eng = exact_engine(base, draft_vocab=vocab)
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=3, exact=True))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert sum(r.num_accepted for r in got) > 0 and all(t in used for r in got for t in r.token_ids)
+    assert eng.runner.pass_draft_ids is not None and len(eng.runner.pass_draft_ids) > len(vocab)
+    eng.generate(prompts, SamplingParams(max_new_tokens=12, cycle_len=3, exact=True, temperature=0.8, seed=1))
+    assert torch.equal(eng.runner.pass_draft_ids, eng.runner.draft_ids)  # the last pass's rows were sampled
+
+
 def test_gated_tails_draw_only_from_the_draft_vocabulary_alone_or_beside_heads():
     """With a draft vocabulary, a gated tail token is always one of its ids (a step of tails alone projects
     onto them only, a step shared with heads masks the tail rows), heads keep the full vocabulary, and a

@@ -193,6 +193,9 @@ class EngineConfig:
     # exact profile: the drafts' weights. "int8": int8 × int8 dot products (dmtd.engine.lowbit's i8dot, ~2x
     # faster than bf16 at one row); "none": the engine's own; "auto": int8 where this CPU has AVX512-VNNI or AVX2
     draft_quant: str = "auto"
+    # exact profile, greedy requests: drafts also score the ids of their own context (prompt, answer so far) that a
+    # restricted draft vocabulary lacks (dmtd.engine.runner.ModelRunner._draft_logits)
+    context_vocab: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

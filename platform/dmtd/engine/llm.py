@@ -284,7 +284,7 @@ class LLMEngine:
         catch_up = max(s.draft_position - s.num_tail_cached + 1 for s in seqs)
         t0 = time.perf_counter() if since is None else since
         logits, dt = self._timed("draft", self.runner.draft, seqs)
-        d = pick_drafts(logits, self.runner.draft_ids, [s.params for s in seqs],
+        d = pick_drafts(logits, self.runner.pass_draft_ids, [s.params for s in seqs],
                         [self._gens.get(s.req_id) for s in seqs])
         results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
         keep = [i for i, ok in enumerate(d.finite) if ok]

@@ -17,6 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 
 
+MAX_CONTEXT_IDS = 1024  # context ids a draft pass adds to the draft vocabulary at most
+
+
 def _slot_range(slots: list[int]) -> tuple[int, int] | None:
     a = slots[0]
     return (a, a + len(slots)) if slots == list(range(a, a + len(slots))) else None
@@ -61,6 +64,8 @@ class ModelRunner:
             self.weights[: dmtd.decoding_start] + self._pack_layers(vl, self.weight_format))
         self.verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.draft_ids: torch.Tensor | None = None  # restricted tail vocabulary (None = the full one)
+        self._draft_id_set: set[int] | None = None
+        self.pass_draft_ids: torch.Tensor | None = None  # the last draft pass's: draft_ids + its rows' context ids
         self._draft_head: torch.Tensor | lowbit.PackedWeight | None = None
         # drafts' weights: the tail path's encoding and decoding groups, packed for speed only (the verifier
         # checks every draft, so their precision changes acceptance, never the output); set by enable_exact
@@ -117,6 +122,7 @@ class ModelRunner:
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
         self.draft_ids, self._draft_head = (None, None) if ids is None else (ids.to(self.device), None)
+        self._draft_id_set = None if ids is None else set(ids.tolist())
 
     def draft_head(self) -> torch.Tensor | lowbit.PackedWeight:
         """The tail head ``[H, N]``: the lm_head's columns of the draft vocabulary, copied once."""
@@ -228,7 +234,7 @@ class ModelRunner:
             if counts[0] > 1:
                 x = torch.cat((self.cache.stash[s.slot, s.num_tail_cached: q], x))
             h = self._draft_stack(x, d.decoding_start, d.num_layers, s.slot, q)
-            return project(m.norm.forward(h[-1:]), self.draft_head())
+            return self._draft_logits(m.norm.forward(h[-1:]), seqs)
         ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
         x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
                          self.draft_weights)
@@ -243,7 +249,30 @@ class ModelRunner:
                     x[i, R - counts[i]: R - 1] = self.cache.stash[s.slot, s.num_tail_cached: last[i]]
             ctx = self._context(slots, pos, valid)
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.draft_weights)
-        return project(m.norm.forward(h[:, -1]), self.draft_head())
+        return self._draft_logits(m.norm.forward(h[:, -1]), seqs)
+
+    def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The draft head's logits [n, N + E] over the draft vocabulary and then, for greedy rows, the E ids of the
+        rows' contexts outside it (``pass_draft_ids`` maps columns to token ids). A restricted vocabulary chosen
+        from a corpus misses the words of a prompt's own topic ('refrigerator', 'gears', 'keeper' on the demo's chat
+        prompts), each a draft that could only be rejected, and those are the words an answer repeats; their head
+        rows cost a few hundred multiply-adds each."""
+        logits = project(h, self.draft_head())
+        self.pass_draft_ids = self.draft_ids
+        if self._draft_id_set is None or not self.cfg.context_vocab or not all(s.params.greedy for s in seqs):
+            return logits
+        extra: set[int] = set()
+        for s in seqs:
+            s.context_vocab.update(t for t in s.token_ids[s.context_vocab_seen:] if t not in self._draft_id_set)
+            s.context_vocab_seen = len(s.token_ids)
+            extra |= s.context_vocab
+        if not extra:
+            return logits
+        ids = torch.tensor(sorted(extra)[:MAX_CONTEXT_IDS], device=self.device)
+        m = self.model
+        rows = (m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight.t())[ids]  # [E, H]
+        self.pass_draft_ids = torch.cat((self.draft_ids, ids))  # type: ignore[arg-type]
+        return torch.cat((logits, (h.to(rows.dtype) @ rows.t()).to(logits.dtype)), dim=-1)
 
     def _draft_stack(self, h: torch.Tensor, start: int, end: int, slot: int, last: int) -> torch.Tensor:
         """Layers ``start..end`` of the draft path over rows ``h`` [R, H]: one sequence's positions

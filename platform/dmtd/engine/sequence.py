@@ -91,6 +91,8 @@ class Sequence:
     # verified cycles (``params.exact``): unchecked tail tokens, and the tail path's KV extent
     drafts: list[int] = field(default_factory=list)
     draft_done: bool = False  # the drafts await the next head's check
+    context_vocab: set[int] = field(default_factory=set)  # context ids outside the draft vocabulary (runner.draft)
+    context_vocab_seen: int = 0  # token_ids looked at for them so far
     num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
     num_drafted: int = 0
     num_accepted: int = 0
