@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dmtd.engine.lowbit import load_kernels, pack
-from dmtd.engine.ops import cpu_flags
-from dmtd.engine.ops import AMX_MIN_ROWS
+from dmtd.engine.ops import AMX_MIN_ROWS, cpu_flags
 
 
 def ms(f, n: int = 40) -> float:

@@ -96,7 +96,8 @@ def chats(spec: EngineSpec, dtype: str, dists: list[int], rounds: int) -> None:
                          SamplingParams(max_new_tokens=96, cycle_len=tau, exact=True, min_confidence=0.0))[0]
         return (len(r.token_ids) - 1) / r.decode_time_s
 
-    tok_s(CHATS[0], 3), tok_s(CHATS[0], 1)  # warm-up: first runs of each shape pay one-off costs
+    for tau in (3, 1):  # warm-up: first runs of each shape pay one-off costs
+        tok_s(CHATS[0], tau)
     res: dict[int, dict[int, list[float]]] = {d: {1: [], 3: []} for d in dists}
     for rnd in range(rounds):
         for i, prompt in enumerate(CHATS):

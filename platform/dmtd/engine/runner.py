@@ -66,6 +66,9 @@ class ModelRunner:
         self.draft_ids: torch.Tensor | None = None  # restricted tail vocabulary (None = the full one)
         self._draft_id_set: set[int] | None = None
         self.pass_draft_ids: torch.Tensor | None = None  # the last draft pass's: draft_ids + its rows' context ids
+        # the context ids last added (sorted), draft_ids + them, and their head columns [H, E]: rebuilt only when
+        # the ids change (a request's context gains a new word every few cycles, not every pass)
+        self._context_head: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self._draft_head: torch.Tensor | lowbit.PackedWeight | None = None
         # drafts' weights: the tail path's encoding and decoding groups, packed for speed only (the verifier
         # checks every draft, so their precision changes acceptance, never the output); set by enable_exact
@@ -123,6 +126,7 @@ class ModelRunner:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
         self.draft_ids, self._draft_head = (None, None) if ids is None else (ids.to(self.device), None)
         self._draft_id_set = None if ids is None else set(ids.tolist())
+        self._context_head = None
 
     def draft_head(self) -> torch.Tensor | lowbit.PackedWeight:
         """The tail head ``[H, N]``: the lm_head's columns of the draft vocabulary, copied once."""
@@ -268,11 +272,14 @@ class ModelRunner:
             extra |= s.context_vocab
         if not extra:
             return logits
-        ids = torch.tensor(sorted(extra)[:MAX_CONTEXT_IDS], device=self.device)
-        m = self.model
-        rows = (m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight.t())[ids]  # [E, H]
-        self.pass_draft_ids = torch.cat((self.draft_ids, ids))  # type: ignore[arg-type]
-        return torch.cat((logits, (h.to(rows.dtype) @ rows.t()).to(logits.dtype)), dim=-1)
+        key = tuple(sorted(extra)[:MAX_CONTEXT_IDS])
+        if self._context_head is None or self._context_head[0] != key:
+            ids = torch.tensor(key, device=self.device)
+            m = self.model
+            cols = (m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight.t())[ids].t().contiguous()
+            self._context_head = (key, torch.cat((self.draft_ids, ids)), cols)  # type: ignore[arg-type]
+        _, self.pass_draft_ids, cols = self._context_head
+        return torch.cat((logits, (h.to(cols.dtype) @ cols).to(logits.dtype)), dim=-1)
 
     def _draft_stack(self, h: torch.Tensor, start: int, end: int, slot: int, last: int) -> torch.Tensor:
         """Layers ``start..end`` of the draft path over rows ``h`` [R, H]: one sequence's positions
