@@ -436,11 +436,14 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
   at::Tensor h = h_in.to(at::kFloat).contiguous().clone();
   const at::Tensor cs = cos_in.to(at::kFloat).contiguous(), sn = sin_in.to(at::kFloat).contiguous();
   TORCH_CHECK(cs.size(0) == R && cs.size(1) == hd && sn.sizes() == cs.sizes(), "dmtd::draft_layers: rope tables");
-  const int64_t qd = nh * hd, kvd = nkv * hd, g = nh / nkv, p0 = read_len - R;
+  const int64_t qd = nh * hd, kvd = nkv * hd, p0 = read_len - R;
   const float eps = static_cast<float>(eps_d), scale = 1.f / std::sqrt(static_cast<float>(hd));
   at::Tensor x = at::empty({R, H}, h.options());
   at::Tensor att = at::empty({R, qd}, h.options());
-  std::vector<float> sc(read_len);
+  std::vector<float> qbuf(R * qd);
+  std::vector<int64_t> rslots(R, slot), rlens(R);
+  for (int64_t r = 0; r < R; ++r) rlens[r] = p0 + r + 1;
+  float* qp = qbuf.data();
   float* hp = h.data_ptr<float>();
   float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < L; ++i) {
@@ -462,13 +465,10 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
         std::memcpy(vb + (kv * maxlen + p0 + r) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
       }
     }
-    float* ap = att.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = p0 + r + 1;  // keys 0 .. its own position
-      for (int64_t kv = 0; kv < nkv; ++kv)
-        dmtd_attend::heads(yp + r * (qd + 2 * kvd) + kv * g * hd, kb + kv * maxlen * hd, vb + kv * maxlen * hd, n, g,
-                           hd, scale, sc.data(), ap + r * qd + kv * g * hd);
-    }
+    for (int64_t r = 0; r < R; ++r)  // the queries, packed [R, nh, hd] for dmtd_attend::rows
+      std::memcpy(qp + r * qd, yp + r * (qd + 2 * kvd), qd * sizeof(float));
+    dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), rslots.data(), rlens.data(), R, nh, nkv,
+                      maxlen, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
     h.add_(linear(att, o_w[i], o_s[i], mode));
     rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
     at::Tensor gu = linear(x, gu_w[i], gu_s[i], mode).contiguous();
