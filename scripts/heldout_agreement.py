@@ -6,8 +6,10 @@ Each variant is loaded as `dmtd generate` loads it (adapter merged over the base
 τ = 2, 3, 4 on the first N records of the first variant's ``heldout.jsonl``: how much an export's rank costs.
 
 With ``--chat P …`` the records are instead the base model's own greedy answers (128 tokens, through the first
-variant's exact profile at τ = 2 in bf16, whose tokens are the base's), and the exact profile's acceptance on
-them is printed too: how far chat prompts sit from the corpus's held-out records.
+variant's exact profile at τ = 2 in bf16, whose tokens are the base's), and each variant's exact profile's
+acceptance on them is printed too: how far chat prompts sit from the corpus's held-out records. ``--chat-file
+corpora/short-chats-val.txt`` holds 24 short direct requests in the style of the demo's eight (none of their
+topics): a validation set to choose a variant by, so that the demo's prompts stay a test.
 """
 
 from __future__ import annotations
@@ -49,9 +51,14 @@ def main() -> None:
     ap.add_argument("variants", type=Path, nargs="+", help="variant directories")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chat", nargs="+", metavar="PROMPT", help="score the base's greedy answers to these instead")
+    ap.add_argument("--chat-file", type=Path, help="the same, one prompt a line (e.g. corpora/short-chats-val.txt)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.chat_file is not None:
+        args.chat = (args.chat or []) + [ln.strip() for ln in args.chat_file.read_text().splitlines() if ln.strip()]
     records = chat_records(args.variants[0], args.chat) if args.chat else None
+    for root in args.variants[1:] if args.chat else []:  # each one's own acceptance on the same prompts
+        chat_records(root, args.chat)
     for root in args.variants:
         m = read_manifest(root)
         if records is None:

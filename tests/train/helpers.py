@@ -79,7 +79,8 @@ def train_config(model_dir: Path, corpus: Path, **kw: object) -> TrainConfig:
 
 
 def tiny_cache(model_dir: Path, corpus: Path, top_k: int = 97, hidden_dtype: str = "float32",
-               num_decoding_layers: int = 2, num_encoding_layers: int = 0, out: Path | None = None) -> Path:
+               num_decoding_layers: int = 2, num_encoding_layers: int = 0, out: Path | None = None,
+               temperatures: tuple[float, ...] | None = None) -> Path:
     """A teacher cache of a tiny corpus (by default exact: every token id, fp32 states)."""
     from dmtd.train.cache import CacheSpec, build_cache
     from dmtd.train.student import DMTDStudent
@@ -87,6 +88,7 @@ def tiny_cache(model_dir: Path, corpus: Path, top_k: int = 97, hidden_dtype: str
 
     loaded = load_model(model_dir, tokenizer=False)
     d = dmtd_of_split(num_encoding_layers, num_decoding_layers, loaded.config.num_layers)
-    spec = CacheSpec(num_encoding_layers, num_decoding_layers, top_k, hidden_dtype)  # type: ignore[arg-type]
+    spec = CacheSpec(num_encoding_layers, num_decoding_layers, top_k, hidden_dtype,  # type: ignore[arg-type]
+                     temperatures)
     return build_cache(corpus, DMTDStudent(loaded.model, d, "decoding"), spec, base_fingerprint(model_dir), out,
                        progress=False)

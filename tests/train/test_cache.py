@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dmtd.train.cache import CacheError, CacheSpec, teacher_targets
 from dmtd.train.checkpoint import CheckpointError
+from dmtd.train.corpus import CorpusError
 from dmtd.train.metrics import TopKTargets, topk_kl
 from dmtd.train.trainer import Trainer
 from tests.train.helpers import save_tiny, tiny_cache, tiny_corpus, train_config
@@ -86,6 +87,33 @@ def test_cached_run_resumes_exactly_and_refuses_another_cache(tiny_dir: Path, ti
             Trainer(cfg.model_copy(update={"cache": cache}), tmp_path / "split", progress=False)
 
 
+def test_greedy_only_cache_serves_a_run_on_the_greedy_records(tiny_dir: Path, tiny_corpus_dir: Path,
+                                                                exact_cache: Path, tmp_path: Path):
+    greedy = tiny_cache(tiny_dir, tiny_corpus_dir, out=tmp_path / CacheSpec(0, 2, 97, "float32", (0.0,)).dirname,
+                        temperatures=(0.0,))
+    assert greedy.name == "cache-e0-d2-k97-float32-t0"
+    metas = [json.loads(p.read_text()) for p in sorted(greedy.glob("shard-*.json"))]
+    full = [json.loads(p.read_text()) for p in sorted(exact_cache.glob("shard-*.json"))]
+    cfg = train_config(tiny_dir, tiny_corpus_dir, temperatures=[0.0], ce_weight=0.5)
+    unc = Trainer(cfg, tmp_path / "u", progress=False)
+    greedy_records = sum(r.temperature == 0.0 for r in unc.corpus.records)  # the corpus samples at 0 and 1
+    assert 0 < sum(m["num_records"] for m in metas) == greedy_records < sum(m["num_records"] for m in full)
+    cac = Trainer(cfg.model_copy(update={"cache": str(greedy)}), tmp_path / "c", progress=False)
+    assert unc.train_records and {r.temperature for r in unc.train_records} == {0.0}
+    assert len(unc.train_records) < len(unc.corpus.split("train"))
+    for step in range(2):  # the same greedy batches, cached or not
+        a, b = unc.train_step(step), cac.train_step(step)
+        for key in ("loss", "kl", "ce", "tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (step, key)
+    with pytest.raises(CacheError, match="holds only the records sampled at temperatures \\[0.0\\]; train with "
+                       "--temperatures 0"):
+        Trainer(train_config(tiny_dir, tiny_corpus_dir, cache=str(greedy)), tmp_path / "all", progress=False)
+    with pytest.raises(CorpusError, match="no training records at temperatures \\[0.5\\]"):
+        Trainer(train_config(tiny_dir, tiny_corpus_dir, temperatures=[0.5]), tmp_path / "none", progress=False)
+    with pytest.raises(CacheError, match="at least one temperature"):
+        CacheSpec(0, 2, temperatures=())
+
+
 def test_building_resumes_per_shard(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
     copy = tiny_cache(tiny_dir, tiny_corpus_dir, out=tmp_path / "cache")
     before = {p.name: p.read_bytes() for p in copy.glob("*.npy")}
@@ -153,6 +181,10 @@ def test_cli_cache_bench_and_curve(tiny_dir: Path, tiny_corpus_dir: Path, tmp_pa
     assert all(r["cached_loss"] == pytest.approx(r["cached_float32_loss"], rel=0.05) for r in res["rows"])
     r = dmtd("train", "--run-dir", str(tmp_path / "b2"), *common, "--bench", "2")
     assert r.returncode == 2 and "--bench" in r.stderr and "--cache" in r.stderr
+    r = dmtd("train", "--run-dir", str(tmp_path / "b3"), *common, "--temperatures", "0,warm", "--max-steps", "1")
+    assert r.returncode == 2 and "--temperatures: must be comma-separated numbers" in r.stderr
+    r = dmtd("cache", "--corpus", str(corpus), "--model", str(tiny_dir), "--temperatures", "hot")
+    assert r.returncode == 2 and "--temperatures" in r.stderr and "Traceback" not in r.stderr
     r = dmtd("train", "--run-dir", str(tmp_path / "run"), *common, "--cache", "auto", "--max-steps", "2")
     assert r.returncode == 2 and "cache-e0-d2-k64-bfloat16" in r.stderr and "Traceback" not in r.stderr
     r = dmtd("train", "--run-dir", str(tmp_path / "run"), *common, "--max-steps", "4", "--eval-every", "2",

@@ -59,8 +59,15 @@ class CacheSpec:
     num_decoding_layers: int
     top_k: int = 64
     hidden_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # only the records sampled at these temperatures (e.g. (0.0,): the greedy ones, a third of a default corpus's
+    # records at a third of the time); None = every record
+    temperatures: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.temperatures is not None:
+            object.__setattr__(self, "temperatures", tuple(sorted(float(t) for t in self.temperatures)))
+            if not self.temperatures:
+                raise CacheError("temperatures must name at least one temperature (or be None: every record)")
         if self.num_encoding_layers < 0:
             raise CacheError(f"num_encoding_layers must be >= 0, got {self.num_encoding_layers}")
         if self.num_decoding_layers < 1:
@@ -72,7 +79,12 @@ class CacheSpec:
 
     @property
     def dirname(self) -> str:
-        return f"cache-e{self.num_encoding_layers}-d{self.num_decoding_layers}-k{self.top_k}-{self.hidden_dtype}"
+        temps = "" if self.temperatures is None else "-t" + "_".join(f"{t:g}" for t in self.temperatures)
+        return f"cache-e{self.num_encoding_layers}-d{self.num_decoding_layers}-k{self.top_k}-{self.hidden_dtype}{temps}"
+
+    def holds(self, r: Record) -> bool:
+        """Whether a record belongs in this cache."""
+        return self.temperatures is None or r.temperature in self.temperatures
 
 
 def default_cache_dir(corpus: Path, spec: CacheSpec) -> Path:
@@ -208,7 +220,7 @@ def build_cache(corpus_root: Path, student: DMTDStudent, spec: CacheSpec, finger
             data = (Path(corpus_root).expanduser() / s.name).read_bytes()
             if sha256_bytes(data) != s.sha256:
                 raise CacheError(f"corpus shard {s.name} does not match its SHA-256 in corpus.json")
-            records = parse_records(data, s.name)
+            records = [r for r in parse_records(data, s.name) if spec.holds(r)]
             t0 = time.perf_counter()
             arrays = build_shard(student, records, spec, batch_size)
             files = {a: {"sha256": _save_npy(_file(root, s.name, a), v), "shape": list(v.shape)}
@@ -246,7 +258,8 @@ class TeacherCache:
         h = hashlib.sha256(json.dumps({"spec": asdict(spec), "base": fingerprint}, sort_keys=True).encode())
         counts = {}
         for r in corpus.records:
-            counts[r.idx] = (r.num_tokens, r.num_tokens - len(r.prompt_ids))
+            if spec.holds(r):
+                counts[r.idx] = (r.num_tokens, r.num_tokens - len(r.prompt_ids))
         for s in corpus.manifest.shards:
             meta = _read_meta(self.root, s.name)
             if meta is None:

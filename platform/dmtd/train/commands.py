@@ -106,8 +106,11 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-decoding-layers", type=int, default=8)
     p.add_argument("--top-k", type=int, default=64, help="teacher token ids kept per position (plus the rest mass)")
     p.add_argument("--hidden-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--temperatures", type=floats, default=None,
+                   help="cache only the records sampled at these temperatures, e.g. 0 (the greedy ones; train "
+                   "with the same --temperatures); default every record")
     p.add_argument("--out", type=Path, default=None,
-                   help="cache directory (default CORPUS/cache-e{E}-d{D}-k{K}-{dtype})")
+                   help="cache directory (default CORPUS/cache-e{E}-d{D}-k{K}-{dtype}[-t{temperatures}])")
     p.add_argument("--batch-size", type=int, default=4, help="records per forward pass")
     p.add_argument("--follow", action="store_true",
                    help="keep caching new shards as `dmtd data` finishes them, until the corpus is complete")
@@ -129,7 +132,8 @@ def run_cache(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        spec = CacheSpec(args.num_encoding_layers, args.num_decoding_layers, args.top_k, args.hidden_dtype)
+        spec = CacheSpec(args.num_encoding_layers, args.num_decoding_layers, args.top_k, args.hidden_dtype,
+                         None if args.temperatures is None else tuple(args.temperatures))
     except CacheError as e:
         raise TrainInputError(f"--{str(e).split(' must')[0].replace('_', '-')}: {e}") from e
     loaded = load_model(args.model or "smollm2", tokenizer=False)
@@ -204,6 +208,11 @@ def train_config_from_args(args: argparse.Namespace, run_dir: Path | None) -> tu
             given[key] = str(Path(given[key]).expanduser().resolve())
     if isinstance(given.get("lora_targets"), str):
         given["lora_targets"] = [t for t in given["lora_targets"].split(",") if t]
+    if isinstance(given.get("temperatures"), str):
+        try:
+            given["temperatures"] = [float(t) for t in given["temperatures"].split(",") if t.strip()]
+        except ValueError as e:
+            raise TrainInputError(f"--temperatures: must be comma-separated numbers ({e})") from e
     name = given.get("name", TrainConfig.model_fields["name"].default)
     rd = (run_dir or cache_dir() / "runs" / str(name)).expanduser()
     stored: dict = {}

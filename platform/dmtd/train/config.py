@@ -37,6 +37,9 @@ class TrainConfig(BaseModel):
     lora_rank: int = Field(32, ge=1)
     lora_alpha: float = Field(64.0, gt=0)
     lora_train_norms: bool = Field(True, description="also train the RMSNorm weights of LoRA layers")
+    temperatures: list[float] | None = Field(
+        None, description="train only on the records sampled at these temperatures (e.g. 0: the greedy "
+        "completions, the sequences a verified cycle checks its tails against); None = all records")
     kl_weight: float = Field(1.0, ge=0, description="KL(base ‖ student) self-distillation weight")
     ce_weight: float = Field(0.0, ge=0, description="cross-entropy on the corpus tokens")
     head_weight: float = Field(1.0, ge=0, description="loss weight of head positions")

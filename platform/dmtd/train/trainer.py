@@ -96,8 +96,11 @@ class Trainer:
                                      weight_decay=cfg.weight_decay, foreach=False)
         self.train_records = self.corpus.split("train")
         self.heldout = self.corpus.split("heldout")
+        if cfg.temperatures is not None:
+            self.train_records = [r for r in self.train_records if r.temperature in cfg.temperatures]
         if not self.train_records:
-            raise CorpusError(f"corpus {cfg.corpus!r} has no training records")
+            where = "" if cfg.temperatures is None else f" at temperatures {cfg.temperatures}"
+            raise CorpusError(f"corpus {cfg.corpus!r} has no training records{where}")
         self.cache = self._open_cache() if cfg.cache else None
         self.order = DataOrder([min(r.num_tokens, cfg.max_len) for r in self.train_records], cfg.batch_size,
                                cfg.seed)
@@ -123,8 +126,14 @@ class Trainer:
         root = Path(cfg.cache).expanduser()
         if cfg.cache == "auto":
             root = default_cache_dir(Path(cfg.corpus), CacheSpec(cfg.num_encoding_layers, cfg.num_decoding_layers))
-        return TeacherCache(root, self.corpus, self.fingerprint, self.loaded.config.hidden_size,
-                            (cfg.num_encoding_layers, cfg.num_decoding_layers))
+        cache = TeacherCache(root, self.corpus, self.fingerprint, self.loaded.config.hidden_size,
+                             (cfg.num_encoding_layers, cfg.num_decoding_layers))
+        held = cache.spec.temperatures
+        if held is not None and (cfg.temperatures is None or not set(cfg.temperatures) <= set(held)):
+            raise CacheError(f"teacher cache {str(root)!r} holds only the records sampled at temperatures "
+                             f"{list(held)}; train with --temperatures {','.join(f'{t:g}' for t in held)} (or a "
+                             f"subset), not {'every record' if cfg.temperatures is None else cfg.temperatures}")
+        return cache
 
     def _check_resume(self, ckpt: dict[str, Any]) -> None:
         try:
