@@ -108,6 +108,9 @@ def test_greedy_only_cache_serves_a_run_on_the_greedy_records(tiny_dir: Path, ti
     with pytest.raises(CacheError, match="holds only the records sampled at temperatures \\[0.0\\]; train with "
                        "--temperatures 0"):
         Trainer(train_config(tiny_dir, tiny_corpus_dir, cache=str(greedy)), tmp_path / "all", progress=False)
+    with pytest.raises(CacheError, match="cache-e0-d2-k64-bfloat16-t0' is not a teacher cache"):  # 'auto'
+        Trainer(train_config(tiny_dir, tiny_corpus_dir, temperatures=[0.0], cache="auto"), tmp_path / "a",
+                progress=False)
     with pytest.raises(CorpusError, match="no training records at temperatures \\[0.5\\]"):
         Trainer(train_config(tiny_dir, tiny_corpus_dir, temperatures=[0.5]), tmp_path / "none", progress=False)
     with pytest.raises(CacheError, match="at least one temperature"):

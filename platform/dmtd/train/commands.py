@@ -210,8 +210,8 @@ def train_config_from_args(args: argparse.Namespace, run_dir: Path | None) -> tu
         given["lora_targets"] = [t for t in given["lora_targets"].split(",") if t]
     if isinstance(given.get("temperatures"), str):
         try:
-            given["temperatures"] = [float(t) for t in given["temperatures"].split(",") if t.strip()]
-        except ValueError as e:
+            given["temperatures"] = floats(given["temperatures"])
+        except argparse.ArgumentTypeError as e:
             raise TrainInputError(f"--temperatures: must be comma-separated numbers ({e})") from e
     name = given.get("name", TrainConfig.model_fields["name"].default)
     rd = (run_dir or cache_dir() / "runs" / str(name)).expanduser()

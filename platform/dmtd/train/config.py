@@ -61,8 +61,8 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(0, ge=0, description="steps between held-out agreement checks (0 = off)")
     eval_records: int = Field(16, ge=1)
     cache: str | None = Field(None, description="teacher cache directory made by `dmtd cache` (or 'auto': the "
-                              "corpus's default one): train from the cached trunk states and top-k teacher "
-                              "targets; needs a frozen trunk (scope decoding)")
+                              "corpus's default one for this split and these temperatures): train from the cached "
+                              "trunk states and top-k teacher targets; needs a frozen trunk (scope decoding)")
     init_from: str | None = Field(None, description="start from the trained tensors of this checkpoint, or of "
                                   "an exported variant directory (e.g. the shipped one: a run on a new machine "
                                   "goes on from it); optimizer and step start fresh")

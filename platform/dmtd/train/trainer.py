@@ -125,7 +125,9 @@ class Trainer:
             raise CacheError("--cache needs a frozen trunk (scope decoding)")
         root = Path(cfg.cache).expanduser()
         if cfg.cache == "auto":
-            root = default_cache_dir(Path(cfg.corpus), CacheSpec(cfg.num_encoding_layers, cfg.num_decoding_layers))
+            root = default_cache_dir(Path(cfg.corpus), CacheSpec(
+                cfg.num_encoding_layers, cfg.num_decoding_layers,
+                temperatures=None if cfg.temperatures is None else tuple(cfg.temperatures)))
         cache = TeacherCache(root, self.corpus, self.fingerprint, self.loaded.config.hidden_size,
                              (cfg.num_encoding_layers, cfg.num_decoding_layers))
         held = cache.spec.temperatures
