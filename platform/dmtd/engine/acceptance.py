@@ -10,6 +10,7 @@ verifier's argmax, then take the argmax.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,17 +43,17 @@ def top1(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
 def pick_drafts(logits: torch.Tensor, vocab: torch.Tensor | None, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> Drafts:
     """Draft one token per row from the tail head's logits [n, N] (N = the draft vocabulary's size)."""
-    logits = logits.float()
     idx, top = top1(logits)
-    finite = torch.isfinite(top)
+    tops = top.tolist()
+    finite = [math.isfinite(t) for t in tops]  # top is NaN for a row with a NaN or no finite logit
     q: list[torch.Tensor | None] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if not p.greedy and bool(finite[i])]
+    rows = [i for i, p in enumerate(params) if not p.greedy and finite[i]]
     if rows:
-        probs = filtered_probs(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows])
+        probs = filtered_probs(logits.float()[torch.tensor(rows, device=logits.device)], [params[i] for i in rows])
         for j, (i, t) in enumerate(zip(rows, draw(probs, [generators[i] for i in rows]))):
             idx[i], q[i] = t, probs[j]
     tokens = idx if vocab is None else vocab[torch.tensor(idx, device=vocab.device)].tolist()
-    return Drafts(tokens, top.nan_to_num(0.0).tolist(), finite.tolist(), q)
+    return Drafts(tokens, [t if ok else 0.0 for t, ok in zip(tops, finite)], finite, q)
 
 
 @dataclass(slots=True)
@@ -71,16 +72,15 @@ def check_drafts(logits: torch.Tensor, drafts: list[int], q: list[torch.Tensor |
     """Accept the longest admissible prefix of ``drafts`` against the verifier's logits [m + 1, V]."""
     m = len(drafts)
     target, top = top1(logits)
-    if not bool(torch.isfinite(top).all()):
-        return Checked([], 0, [], False)
     confs = top.tolist()
-    logits = logits.float()
+    if not all(math.isfinite(c) for c in confs):
+        return Checked([], 0, [], False)
     if params.greedy:
         a = 0
         while a < m and drafts[a] == target[a]:
             a += 1
         return Checked(drafts[:a] + [target[a]], a, confs[: a + 1], True)
-    p = filtered_probs(logits, [params] * (m + 1))
+    p = filtered_probs(logits.float(), [params] * (m + 1))
     dev = p.device
     for j in range(m):
         qj = _full(q[j], vocab, p.shape[-1], dev)

@@ -181,7 +181,10 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
 // kc/vc [slots, nkv, maxlen, hd]. Work is split by (row, query head) over the threads, so that one row's nine heads
 // share two cores 5:4 (split by KV head, 3 units went 2:1, and calls under 2^18 multiply-adds stayed on one thread:
 // 30 µs a layer for one row at 170 keys, 14 µs split this way on the 2-core AVX2 EPYC); only calls of a few keys
-// stay on the calling thread. A head's arithmetic is the same whichever thread runs it.
+// stay on the calling thread. The units run head by head, each head's rows in turn, so that the rows of a check
+// (consecutive positions of one slot) read a head's keys while they are still in the core's cache, and each
+// core reads about two of the three KV heads instead of all three. A head's arithmetic is the same whichever
+// thread runs it.
 inline void rows(const float* q, const float* kc, const float* vc, const int64_t* slots, const int64_t* lens,
                  int64_t B, int64_t nh, int64_t nkv, int64_t maxlen, int64_t hd, float scale, float* out) {
   const int64_t g = nh / nkv, units = B * nh;
@@ -190,7 +193,7 @@ inline void rows(const float* q, const float* kc, const float* vc, const int64_t
   auto run = [&](int64_t u0, int64_t u1) {
     std::vector<float> sc;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / nh, h = u % nh, n = lens[b];
+      const int64_t b = u % B, h = u / B, n = lens[b];  // a head's rows in turn: its keys stay in cache
       sc.resize(static_cast<size_t>(std::max<int64_t>(n, 1)));
       const int64_t base = (slots[b] * nkv + h / g) * maxlen * hd;
       heads(q + (b * nh + h) * hd, kc + base, vc + base, n, 1, hd, scale, sc.data(), out + (b * nh + h) * hd);
