@@ -277,7 +277,7 @@ class ModelRunner:
             ids = torch.tensor(key, device=self.device)
             m = self.model
             # float32 columns: a bfloat16 product of one row with a few hundred columns takes torch's slow path on
-            # CPUs without bfloat16 arithmetic (several times the float32 product's time on the AVX2 EPYC)
+            # CPUs without bfloat16 arithmetic
             cols = (m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight.t())[ids].t().float().contiguous()
             self._context_head = (key, torch.cat((self.draft_ids, ids)), cols)  # type: ignore[arg-type]
         _, self.pass_draft_ids, cols = self._context_head
