@@ -30,8 +30,10 @@ DEMO_CHATS := --chat "Explain in three sentences why the sky is blue." \
 	--chat "List five interesting facts about the moon." \
 	--chat "How does a refrigerator keep food cold?"
 
+# each request and its τ = 1 twin run three times, alternately; the fastest run of each side is compared (a busy
+# machine only slows runs down: one slow spell in either run moved a single pair's ratio by ±15 %)
 demo: setup
-	$(BIN)/dmtd generate $(DEMO_CHATS) --max-new-tokens 96 --compare-tau1
+	$(BIN)/dmtd generate $(DEMO_CHATS) --max-new-tokens 96 --compare-tau1 --repeat 3
 	bash scripts/demo-serve.sh
 
 lint: $(STAMP)

@@ -1,4 +1,5 @@
-"""The exact profile on the eight chat prompts of `dmtd bench engine` (none of them in the training corpus): per
+"""The exact profile on the eight chat prompts of `dmtd bench engine` (none of them in the training corpus), or those of
+``--chat-file``: per
 prompt, the τ = 1 run and each configuration on one engine, greedy, up to 96 new tokens (EOS ends a request, as in
 `dmtd generate`); prints speed ÷ τ = 1, drafts accepted / made, and checks that the tokens equal τ = 1's.
 
@@ -38,10 +39,14 @@ def main() -> None:
     ap.add_argument("--variants", default="smollm2-135m-dmtd",
                     help="variants side by side (shipped names or directories), comma-separated; the first one's "
                     "τ = 1 run is every configuration's reference")
+    ap.add_argument("--chat-file", default=None, help="one chat prompt a line instead of the eight (e.g. "
+                    "corpora/short-chats-val.txt: a validation set to choose settings by, the demo's prompts a test)")
     ap.add_argument("--json", default=None, help="write per-prompt results here")
     ap.add_argument("--png", default=None, help="plot per-prompt speedups (mean over rounds) here")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    prompts = [ln.strip() for ln in Path(args.chat_file).read_text().splitlines() if ln.strip()] if args.chat_file \
+        else list(CHATS)
     variants = args.variants.split(",")
     specs = {v: engine_spec(None, v, None, dtype=getattr(torch, args.dtype), device="cpu",
                             search_dirs=[SHIPPED_VARIANTS]) for v in variants}
@@ -62,12 +67,12 @@ def main() -> None:
         return r.token_ids, (len(r.token_ids) - 1) / r.decode_time_s, r.num_accepted, r.num_drafted
 
     for key in engines:  # warm-up: first runs of each shape pay one-off costs
-        run(key, CHATS[0], 3, 0.0)
+        run(key, prompts[0], 3, 0.0)
     speed: dict[str, list[float]] = {c[0]: [] for c in configs}  # name: speed ÷ τ = 1, per prompt and round
     runs: list[dict] = []
     identical = total = 0
     for rnd in range(args.rounds):
-        for prompt in CHATS:
+        for prompt in prompts:
             ref, base, _, _ = run((variants[0], "f", dqs[0]), prompt, 1, 0.0)
             line = f"{prompt[:34]:34s} {len(ref) - 1:3d} tok"
             for name, key, tau, threshold in configs:
@@ -88,11 +93,11 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "command": vars(args), "runs": runs}, indent=1))
         print(f"wrote {args.json}")
     if args.png:
-        plot(runs, [c[0] for c in configs], args.png)
+        plot(runs, [c[0] for c in configs], prompts, args.png)
         print(f"wrote {args.png}")
 
 
-def plot(runs: list[dict], names: list[str], path: str) -> None:
+def plot(runs: list[dict], names: list[str], prompts: list[str], path: str) -> None:
     """Per prompt, each configuration's speed ÷ τ = 1 (mean over rounds), with the issue's 1.3× aim."""
     import matplotlib
 
@@ -102,9 +107,9 @@ def plot(runs: list[dict], names: list[str], path: str) -> None:
     width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for k, name in enumerate(names):
-        ys = [statistics.mean(r["speedup"] for r in runs if r["prompt"] == p and r["config"] == name) for p in CHATS]
-        ax.bar([i + k * width for i in range(len(CHATS))], ys, width, label=name)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(CHATS))], [p[:22] + "…" for p in CHATS], rotation=20,
+        ys = [statistics.mean(r["speedup"] for r in runs if r["prompt"] == p and r["config"] == name) for p in prompts]
+        ax.bar([i + k * width for i in range(len(prompts))], ys, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(prompts))], [p[:22] + "…" for p in prompts], rotation=20,
                   ha="right", fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(1.3, color="red", lw=0.8, ls="--", label="aim 1.3×")

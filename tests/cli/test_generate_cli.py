@@ -58,6 +58,22 @@ def test_generate_compare_tau1_reports_the_speedup_over_the_same_request(smollm2
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_generate_repeat_alternates_the_runs_and_compares_the_fastest():
+    r = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "12", "--tau", "2",
+             "--compare-tau1", "--repeat", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["runs_each"] == 2 and out["tokens_match_tau1"] is True
+    assert out["speedup_vs_tau1"] == pytest.approx(out["tokens_per_s"] / out["tau1_tokens_per_s"])
+    assert "fastest of 2 runs each" in r.stderr
+    # bad input: exit 2 naming the flag and its rule, before any model is loaded
+    for bad, rule in ((["--compare-tau1", "--repeat", "0"], "--repeat must be at least 1"),
+                      (["--repeat", "2"], "--repeat applies only with --compare-tau1"),
+                      (["--server", "127.0.0.1:1", "--compare-tau1", "--repeat", "2"], "not --server")):
+        r = dmtd("generate", "--chat", "hi", *bad)
+        assert r.returncode == 2 and rule in r.stderr and "Traceback" not in r.stderr
+
+
 def test_generate_profile_exact_says_its_tokens_are_tau1s():
     r = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "24", "--tau", "3",
              "--min-confidence", "0", "--drafts", "fixed", "--compare-tau1", "--json")

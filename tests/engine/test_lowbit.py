@@ -210,6 +210,27 @@ def test_i8dot_is_the_int8_weight_times_activations_rounded_per_block_of_64(rows
         lowbit.pack(torch.randn(4, 96), "i8dot")
 
 
+def test_i8dot_reuses_its_activation_buffers_without_carrying_anything_over():
+    """The kernel quantises each call's activations into buffers it keeps between calls (a draft pass makes ~40
+    products): products of other shapes in between, a block of zeros and values that round at exactly .5 leave
+    every result what the rounding rule gives."""
+    torch.manual_seed(7)
+    big, small = lowbit.pack(torch.randn(48, 192), "i8dot"), lowbit.pack(torch.randn(16, 64), "i8dot")
+    x = torch.randn(3, 192)
+    x[1, 64:128] = 0.0  # a block with no scale
+    x[2, :63] = (torch.arange(63) - 31 + 0.5) / 128  # block max 127/128: the scale is 128, each value x·128 a tie
+    x[2, 63] = 127 / 128
+    first = big.project(x)
+    xb = x.view(3, 3, 64)
+    amax = xb.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = (torch.round(xb * scale) * (amax / 127)).view(3, 192)  # torch.round: half to even, as the kernel
+    torch.testing.assert_close(first, xq @ lowbit.unpack(big).t(), rtol=1e-4, atol=1e-4)
+    for rows in (9, 1, 5):
+        small.project(torch.randn(rows, 64) * 100)
+        assert torch.equal(big.project(x), first)
+
+
 def _attention_reference(q, kc, vc, slots, lens):
     """Softmax attention of each row over keys 0 .. len − 1 of its slot, GQA, in float64."""
     B, nh, hd = q.shape
