@@ -42,7 +42,9 @@ def test_bf16_greedy_agrees_with_fp32_and_keeps_its_judge_perplexity(smollm2, bf
     assert ppl_bf16 <= ppl_ref * 1.15  # the judge (fp32 base) finds bf16's text about as likely as its own
 
 
-def test_bf16_dmtd_refill_matches_the_masked_forward_within_bf16_tolerance(bf16_model):
+def test_bf16_dmtd_refill_matches_the_masked_forward_within_bf16_tolerance(smollm2, bf16_model):
+    """The bf16 engine's gated DMTD decoding against the float32 model's masked forward over its own tokens (the
+    engine keeps its residual stream in float32 between bf16 weight products)."""
     m = bf16_model.model
     dmtd = DMTDConfig.plain(30, 8, tau_max=4)
     engine = LLMEngine(m, bf16_model.tokenizer, dmtd, EngineConfig(max_num_seqs=4, max_model_len=256,
@@ -51,7 +53,8 @@ def test_bf16_dmtd_refill_matches_the_masked_forward_within_bf16_tolerance(bf16_
     agree = total = 0
     for tau in (2, 3):
         for res in engine.generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=tau, ignore_eos=True)):
-            ref = reference_logits(m, dmtd, res.prompt_token_ids, res.token_ids, res.head_flags, tau).float()
+            ref = reference_logits(smollm2.model, dmtd, res.prompt_token_ids, res.token_ids, res.head_flags,
+                                   tau).float()
             top = ref.argmax(-1).tolist()
             agree += sum(a == b for a, b in zip(top, res.token_ids))
             total += len(top)

@@ -362,13 +362,69 @@ def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights
         kv_fused = [(k.clone(), v.clone()) for k, v in r.kv]
         reset()
         ctx = r._context([slot], torch.arange(last - rows + 1, last + 1)[None], None)
+        model.fused_layers = False  # the TorchScript layer loop
         with torch.inference_mode():
             loop = model.run_layers(h[None], start, end, ctx.cos, ctx.sin, r.kv, ctx, r.draft_weights)[0]
+        model.fused_layers = True
         torch.testing.assert_close(fused, loop, rtol=1e-4, atol=1e-5)
         for (k, v), (kf, vf) in zip(r.kv, kv_fused):
             torch.testing.assert_close(kf, k, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-6)
         assert not torch.equal(fused, h)
+
+
+def test_rows_layers_compute_the_layer_loop_for_batches_chunks_and_padding():
+    """Decode rows of packed weights run a layer group in one call (dmtd::rows_layers): a batch of one position a
+    slot, a chunk of one slot's consecutive positions, and right-aligned rows with padding (a check of two
+    sequences with different draft counts) get the values and the KV the layer loop computes, padding is written
+    nowhere, and a row gets the same bits alone as beside others."""
+    from dmtd.engine.config import EngineConfig
+
+    dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
+    model = tiny_model(seed=3)
+    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=3, max_model_len=64, draft_quant="int8"),
+                    default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
+    r = eng.runner
+    r.enable_exact()
+    assert model.fused_layers
+    g = torch.Generator().manual_seed(1)
+    for k, v in r.kv:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
+
+    def run(slots, pos, valid, h, fused):
+        for (k, v), (k0, v0) in zip(r.kv, kv0):
+            k.copy_(k0)
+            v.copy_(v0)
+        model.fused_layers = fused
+        ctx = r._context(slots, pos, valid)
+        with torch.inference_mode():
+            out = model.run_layers(h, dmtd.decoding_start, dmtd.num_layers, ctx.cos, ctx.sin, r.kv, ctx,
+                                   r.draft_weights)
+        model.fused_layers = True
+        return out, [(k.clone(), v.clone()) for k, v in r.kv]
+
+    cases = [([0, 2], torch.tensor([[7], [12]]), None),
+             ([1], torch.tensor([[9, 10, 11]]), None),
+             ([2, 0], torch.tensor([[4, 5, 6], [0, 9, 10]]), torch.tensor([[True] * 3, [False, True, True]]))]
+    for slots, pos, valid in cases:
+        h = torch.randn(*pos.shape, 64, generator=g)
+        fused, kv_fused = run(slots, pos, valid, h, True)
+        loop, kv_loop = run(slots, pos, valid, h, False)
+        keep = torch.ones(pos.shape, dtype=torch.bool) if valid is None else valid
+        torch.testing.assert_close(fused[keep], loop[keep], rtol=1e-4, atol=1e-5)
+        for (k, v), (kf, vf) in zip(kv_loop, kv_fused):
+            torch.testing.assert_close(kf, k, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-6)
+        if valid is not None:  # the padding entry (slot 0, position 0) keeps the KV it had
+            assert all(torch.equal(kf[0, :, 0], k0[0, :, 0]) for (kf, _), (k0, _) in zip(kv_fused, kv0))
+    # a row alone: the same bits as beside the others
+    slots, pos = [0, 2], torch.tensor([[7], [12]])
+    h = torch.randn(2, 1, 64, generator=g)
+    both, _ = run(slots, pos, None, h, True)
+    alone, _ = run(slots[1:], pos[1:], None, h[1:], True)
+    assert torch.equal(both[1], alone[0])
 
 
 @pytest.mark.parametrize("draft_quant", ["int8", "none"])

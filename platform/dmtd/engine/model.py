@@ -221,15 +221,65 @@ class Transformer(nn.Module):
         self._weights: list[LayerWeights] | None = None
         self.row_loop = 8  # chunks of one sequence up to this many positions attend row by row (decode_kernel)
         self.attend_kernel = False  # decode attention by dmtd::attend (set by the engine's runner where it is built)
+        # decode rows through packed weights by dmtd::rows_layers, a layer group in one call (set by the runner)
+        self.fused_layers = False
+        self._fused_args: dict[tuple[int, int, int, int], tuple[Any, Any, Any]] = {}
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         self._weights, self.lm_head_t = None, None  # .to()/.float() may replace the tensors
+        self._fused_args = {}
         return super()._apply(fn, recurse)
 
     def layer_weights(self) -> list[LayerWeights]:
         if self._weights is None:
             self._weights = [layer.weights() for layer in self.layers]  # type: ignore[operator]
         return self._weights
+
+    def _rows_args(self, weights: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+                   end: int) -> tuple[int, list[list[torch.Tensor]]] | None:
+        """``dmtd::rows_layers``' packed format and list arguments for layers ``start..end`` (gathered once per
+        weights and cache lists): None where a layer has what the op does not compute (a qkv bias, q/k norms), a
+        projection is not packed, the formats differ, or the KV is not contiguous float32."""
+        key = (id(weights), id(caches), start, end)
+        hit = self._fused_args.get(key)
+        if hit is not None and hit[0] is weights and hit[1] is caches:
+            return hit[2]
+        cols: list[list[torch.Tensor]] = [[] for _ in range(12)]
+        modes: set[int] = set()
+        ok = True
+        for i in range(start, end):
+            w, (k, v) = weights[i], caches[i]
+            ps: list[Any] = [p for p in (w.qkv, w.o, w.gate_up, w.down) if not isinstance(p, torch.Tensor)]
+            if (len(ps) < 4 or w.qkv_bias is not None or w.q_norm is not None or w.k_norm is not None
+                    or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous())):
+                ok = False
+                break
+            modes |= {int(p.mode) for p in ps}
+            row = (w.ln1.float().contiguous(), ps[0].data, ps[0].scales, ps[1].data, ps[1].scales,
+                   w.ln2.float().contiguous(), ps[2].data, ps[2].scales, ps[3].data, ps[3].scales, k, v)
+            for c, t in zip(cols, row):
+                c.append(t)
+        out = (modes.pop(), cols) if ok and len(modes) == 1 else None
+        self._fused_args[key] = (weights, caches, out)
+        return out
+
+    def _fused_rows(self, h: torch.Tensor, ctx: StepContext, mode: int, cols: list[list[torch.Tensor]]) -> torch.Tensor:
+        """A layer group over the valid entries of ``h`` [B, S, H] by ``dmtd::rows_layers`` (padding entries come
+        back as they went in: nothing reads them)."""
+        cfg = self.config
+        B, S, H = h.shape
+        flat = h.reshape(B * S, H)
+        x = flat if ctx.write_rows is None else flat[ctx.write_rows]
+        cos, sin = self.rope_cos, self.rope_sin
+        assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
+        pos = ctx.write_pos
+        out = torch.ops.dmtd.rows_layers(x, *cols, cos[pos], sin[pos], ctx.write_slots, pos, cfg.num_heads,
+                                         cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode, AMX_MIN_ROWS)
+        if ctx.write_rows is None:
+            return out.view(B, S, H)
+        res = flat.clone()
+        res[ctx.write_rows] = out
+        return res.view(B, S, H)
 
     def _decode_kernel(self, h: torch.Tensor, start: int, end: int,
                        caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: StepContext,
@@ -291,6 +341,11 @@ class Transformer(nn.Module):
         """Layers ``start..end`` over ``h``; ``weights`` overrides the model's own (a verifier's path)."""
         cfg = self.config
         weights = weights if weights is not None else self.layer_weights()
+        if (self.fused_layers and ctx is not None and caches is not None and not torch.is_grad_enabled()
+                and h.shape[1] <= 16 and start < end):
+            fused = self._rows_args(weights, caches, start, end)
+            if fused is not None:
+                return self._fused_rows(h, ctx, *fused)
         if ctx is not None and caches is not None and not torch.is_grad_enabled() and (
                 h.shape[1] == 1 or (h.shape[0] == 1 and h.shape[1] <= 16 and ctx.write_rows is None)):
             return self._decode_kernel(h, start, end, caches, ctx, weights)

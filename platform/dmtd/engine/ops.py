@@ -18,6 +18,11 @@ _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
             "Tensor(b!)[] vc, Tensor cos, Tensor sin, int slot, int read_len, int nh, int nkv, int hd, float eps, "
             "int mode) -> Tensor")
+# Decode rows through a layer group (row r: position pos[r] of KV slot slots[r]; float32 KV written) in one call.
+_LIB.define("rows_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
+            "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
+            "Tensor(b!)[] vc, Tensor cos, Tensor sin, Tensor slots, Tensor pos, int nh, int nkv, int hd, float eps, "
+            "int mode, int amx_rows) -> Tensor")
 # Decode rows' attention over the float32 KV cache, each row alone (kernels/attend.h): q [B, nh, hd] -> [B, nh*hd].
 _LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor lens, float scale) -> Tensor")
 # Each row's first argmax and its softmax probability (greedy picks and checks): logits [n, N] -> (idx, p).

@@ -58,6 +58,9 @@ class ModelRunner:
         # (DMTD_ATTEND=0: torch's ops instead, to compare)
         self.model.attend_kernel = (self.device.type == "cpu" and self.kv_dtype == torch.float32
                                     and os.environ.get("DMTD_ATTEND", "1") != "0" and lowbit.kernels_available())
+        # decode rows of packed weights run a layer group in one call (dmtd::rows_layers, float32 throughout) where
+        # the kernels build (DMTD_FUSED_LAYERS=0: the TorchScript loop instead, to compare)
+        self.model.fused_layers = self.model.attend_kernel and os.environ.get("DMTD_FUSED_LAYERS", "1") != "0"
         self.weights, self.head = self._pack(self.weight_format)
         vl = self.verifier.layers
         self.verify_weights = self.weights if vl is None else (

@@ -429,11 +429,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
 }
 
 
-// The layers of a draft (verified cycles' tails) for one sequence in one call: rows are its consecutive positions
-// ending at read_len − 1 in KV slot `slot` (one new position, or a catch-up chunk). The same computation as
-// dmtd.engine.model.layer_forward (pre-norm attention with rope and GQA over the float32 KV cache, then a SwiGLU
-// MLP), in float32 throughout, with the packed projections' kernel; the TorchScript loop spends ~45 tensor ops a
-// layer on it. Drafts only: the verifier checks every token they propose, so nothing here touches the output.
+// Layers over rows that each hold one position of one sequence, in one call: row r is position pos[r] of KV slot
+// slots[r] (rows of one slot hold distinct positions; a row attends to keys 0 .. its own position, those the other
+// rows write in this call included). The same computation as dmtd.engine.model.layer_forward (pre-norm attention
+// with rope and GQA over the float32 KV cache, then a SwiGLU MLP), in float32 throughout — the residual stream
+// too — with the packed projections' kernel, where the TorchScript loop spends ~45 tensor ops a layer on it (about
+// a third of a bf16 decode step of SmolLM2 on 2 cores). Every row is computed alone: the products, the norms and
+// attention give a row the same bits whatever rows share the call, which the exact profile's equality with τ = 1
+// rests on.
 namespace {
 
 void rms_rows(const float* x, const float* w, float* y, int64_t R, int64_t H, float eps) {
@@ -456,84 +459,137 @@ void rope_head(float* x, const float* c, const float* sn, int64_t hd) {
   }
 }
 
+// silu(gate) · up of each row of gu [R, 2·inter] into out [R, inter]
+void swiglu_rows(const float* gp, float* actp, int64_t R, int64_t inter) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* g = gp + r * 2 * inter;
+    float* o = actp + r * inter;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= inter; j += 16) {  // 16 lanes (the scalar exp was ~5 % of a draft)
+      const __m512 a = _mm512_loadu_ps(g + j);
+      const __m512 e = dmtd_attend::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+      _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                            _mm512_loadu_ps(g + inter + j)));
+    }
+#endif
+#if !defined(__AVX512F__) && defined(DMTD_AVX2)
+    for (; j + 8 <= inter; j += 8) {
+      const __m256 a = _mm256_loadu_ps(g + j);
+      const __m256 e = dmtd_attend::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(g + inter + j)));
+    }
+#endif
+    for (; j < inter; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * g[inter + j];
+  }
+}
+
+// x · W for the layer loop: the packed kernel, or torch's bf16 matmul (AMX) from amx_rows rows as dmtd.engine's
+// decode loop does
+at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t mode, int64_t amx_rows) {
+  if (mode == BF16 && x.size(0) >= amx_rows) return at::linear(x.to(at::kBFloat16), w).to(at::kFloat).contiguous();
+  return linear(x, w, s, mode).contiguous();
+}
+
+at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
+                            at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
+                            at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
+                            at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                            const std::vector<int64_t>& rslots, const std::vector<int64_t>& rpos, int64_t nh,
+                            int64_t nkv, int64_t hd, double eps_d, int64_t mode, int64_t amx_rows,
+                            const char* op) {
+  const int64_t R = h_in.size(0), H = h_in.size(1), L = static_cast<int64_t>(ln1.size());
+  TORCH_CHECK(R >= 1 && static_cast<int64_t>(rslots.size()) == R && static_cast<int64_t>(rpos.size()) == R, op,
+              ": one slot and one position per row");
+  TORCH_CHECK(nh % nkv == 0 && hd % 2 == 0, op, ": bad head shape");
+  TORCH_CHECK(qkv_w.size() == static_cast<size_t>(L) && o_w.size() == static_cast<size_t>(L) &&
+              gu_w.size() == static_cast<size_t>(L) && dn_w.size() == static_cast<size_t>(L) &&
+              ln2.size() == static_cast<size_t>(L) && kc.size() == static_cast<size_t>(L) &&
+              vc.size() == static_cast<size_t>(L), op, ": one weight of each kind and one KV pair per layer");
+  at::Tensor h = h_in.to(at::kFloat).contiguous().clone();
+  const at::Tensor cs = cos_in.to(at::kFloat).contiguous(), sn = sin_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(cs.dim() == 2 && cs.size(0) == R && cs.size(1) == hd && sn.sizes() == cs.sizes(), op, ": rope tables");
+  const int64_t qd = nh * hd, kvd = nkv * hd;
+  const float eps = static_cast<float>(eps_d), scale = 1.f / std::sqrt(static_cast<float>(hd));
+  at::Tensor x = at::empty({R, H}, h.options());
+  at::Tensor att = at::empty({R, qd}, h.options());
+  std::vector<float> qbuf(R * qd);
+  std::vector<int64_t> rlens(R);
+  for (int64_t r = 0; r < R; ++r) rlens[r] = rpos[r] + 1;
+  float* qp = qbuf.data();
+  float* hp = h.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < L; ++i) {
+    TORCH_CHECK(kc[i].scalar_type() == at::kFloat && vc[i].scalar_type() == at::kFloat && kc[i].dim() == 4 &&
+                kc[i].is_contiguous() && vc[i].is_contiguous() && vc[i].sizes() == kc[i].sizes() &&
+                kc[i].size(1) == nkv && kc[i].size(3) == hd, op, ": the KV cache must be contiguous float32 "
+                "[slots, nkv, maxlen, hd]");
+    const int64_t maxlen = kc[i].size(2);
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(rslots[r] >= 0 && rslots[r] < kc[i].size(0) && rpos[r] >= 0 && rpos[r] < maxlen, op,
+                  ": slot or position out of range");
+    rms_rows(hp, ln1[i].data_ptr<float>(), xp, R, H, eps);
+    at::Tensor y = project_rows(x, qkv_w[i], qkv_s[i], mode, amx_rows);  // [R, qd + 2 kvd]
+    float* yp = y.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      float* yr = yp + r * (qd + 2 * kvd);
+      for (int64_t hh = 0; hh < nh + nkv; ++hh) rope_head(yr + hh * hd, cs.data_ptr<float>() + r * hd,
+                                                        sn.data_ptr<float>() + r * hd, hd);
+      float* kb = kc[i].data_ptr<float>() + rslots[r] * nkv * maxlen * hd;
+      float* vb = vc[i].data_ptr<float>() + rslots[r] * nkv * maxlen * hd;
+      for (int64_t kv = 0; kv < nkv; ++kv) {
+        std::memcpy(kb + (kv * maxlen + rpos[r]) * hd, yr + qd + kv * hd, hd * sizeof(float));
+        std::memcpy(vb + (kv * maxlen + rpos[r]) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
+      }
+      std::memcpy(qp + r * qd, yr, qd * sizeof(float));  // the queries, packed [R, nh, hd] for dmtd_attend::rows
+    }
+    dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), rslots.data(), rlens.data(), R, nh, nkv,
+                      maxlen, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
+    h.add_(project_rows(att, o_w[i], o_s[i], mode, amx_rows));
+    rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
+    at::Tensor gu = project_rows(x, gu_w[i], gu_s[i], mode, amx_rows);
+    const int64_t inter = gu.size(1) / 2;
+    at::Tensor act = at::empty({R, inter}, h.options());
+    swiglu_rows(gu.data_ptr<float>(), act.data_ptr<float>(), R, inter);
+    h.add_(project_rows(act, dn_w[i], dn_s[i], mode, amx_rows));
+  }
+  return h.to(h_in.scalar_type());
+}
+
 }  // namespace
 
+// A draft's layers (verified cycles' tails) for one sequence: rows are its consecutive positions ending at
+// read_len − 1 in KV slot `slot` (one new position, or a catch-up chunk).
 at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                         at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                         at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
                         at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t slot,
                         int64_t read_len, int64_t nh, int64_t nkv, int64_t hd, double eps_d, int64_t mode) {
-  const int64_t R = h_in.size(0), H = h_in.size(1), L = static_cast<int64_t>(ln1.size());
+  const int64_t R = h_in.size(0);
   TORCH_CHECK(R >= 1 && R <= read_len, "dmtd::draft_layers: ", R, " rows for ", read_len, " positions");
-  TORCH_CHECK(nh % nkv == 0 && hd % 2 == 0, "dmtd::draft_layers: bad head shape");
-  at::Tensor h = h_in.to(at::kFloat).contiguous().clone();
-  const at::Tensor cs = cos_in.to(at::kFloat).contiguous(), sn = sin_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(cs.size(0) == R && cs.size(1) == hd && sn.sizes() == cs.sizes(), "dmtd::draft_layers: rope tables");
-  const int64_t qd = nh * hd, kvd = nkv * hd, p0 = read_len - R;
-  const float eps = static_cast<float>(eps_d), scale = 1.f / std::sqrt(static_cast<float>(hd));
-  at::Tensor x = at::empty({R, H}, h.options());
-  at::Tensor att = at::empty({R, qd}, h.options());
-  std::vector<float> qbuf(R * qd);
-  std::vector<int64_t> rslots(R, slot), rlens(R);
-  for (int64_t r = 0; r < R; ++r) rlens[r] = p0 + r + 1;
-  float* qp = qbuf.data();
-  float* hp = h.data_ptr<float>();
-  float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < L; ++i) {
-    TORCH_CHECK(kc[i].scalar_type() == at::kFloat && kc[i].is_contiguous() && vc[i].is_contiguous(),
-                "dmtd::draft_layers: the KV cache must be contiguous float32");
-    const int64_t maxlen = kc[i].size(2);
-    TORCH_CHECK(read_len <= maxlen && slot < kc[i].size(0), "dmtd::draft_layers: slot or position out of range");
-    rms_rows(hp, ln1[i].data_ptr<float>(), xp, R, H, eps);
-    at::Tensor y = linear(x, qkv_w[i], qkv_s[i], mode).contiguous();  // [R, qd + 2 kvd]
-    float* yp = y.data_ptr<float>();
-    float* kb = kc[i].data_ptr<float>() + slot * nkv * maxlen * hd;
-    float* vb = vc[i].data_ptr<float>() + slot * nkv * maxlen * hd;
-    for (int64_t r = 0; r < R; ++r) {
-      float* yr = yp + r * (qd + 2 * kvd);
-      for (int64_t hh = 0; hh < nh + nkv; ++hh) rope_head(yr + hh * hd, cs.data_ptr<float>() + r * hd,
-                                                        sn.data_ptr<float>() + r * hd, hd);
-      for (int64_t kv = 0; kv < nkv; ++kv) {
-        std::memcpy(kb + (kv * maxlen + p0 + r) * hd, yr + qd + kv * hd, hd * sizeof(float));
-        std::memcpy(vb + (kv * maxlen + p0 + r) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
-      }
-    }
-    for (int64_t r = 0; r < R; ++r)  // the queries, packed [R, nh, hd] for dmtd_attend::rows
-      std::memcpy(qp + r * qd, yp + r * (qd + 2 * kvd), qd * sizeof(float));
-    dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), rslots.data(), rlens.data(), R, nh, nkv,
-                      maxlen, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
-    h.add_(linear(att, o_w[i], o_s[i], mode));
-    rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
-    at::Tensor gu = linear(x, gu_w[i], gu_s[i], mode).contiguous();
-    const int64_t inter = gu.size(1) / 2;
-    at::Tensor act = at::empty({R, inter}, h.options());
-    const float* gp = gu.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r) {
-      const float* g = gp + r * 2 * inter;
-      float* o = actp + r * inter;
-      int64_t j = 0;
-#if defined(__AVX512F__)
-      for (; j + 16 <= inter; j += 16) {  // silu(gate) · up, 16 lanes (the scalar exp was ~5 % of a draft)
-        const __m512 a = _mm512_loadu_ps(g + j);
-        const __m512 e = dmtd_attend::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                                              _mm512_loadu_ps(g + inter + j)));
-      }
-#endif
-#if !defined(__AVX512F__) && defined(DMTD_AVX2)
-      for (; j + 8 <= inter; j += 8) {
-        const __m256 a = _mm256_loadu_ps(g + j);
-        const __m256 e = dmtd_attend::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                              _mm256_loadu_ps(g + inter + j)));
-      }
-#endif
-      for (; j < inter; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * g[inter + j];
-    }
-    h.add_(linear(act, dn_w[i], dn_s[i], mode));
-  }
-  return h.to(h_in.scalar_type());
+  std::vector<int64_t> rslots(R, slot), rpos(R);
+  for (int64_t r = 0; r < R; ++r) rpos[r] = read_len - R + r;
+  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, cos_in, sin_in,
+                          rslots, rpos, nh, nkv, hd, eps_d, mode, int64_t{1} << 62, "dmtd::draft_layers");
+}
+
+// Decode rows through a layer group: row r is position positions[r] of KV slot slots[r] (a batch's rows, a check's
+// or a refill's chunk of one sequence, or both).
+at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
+                       at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
+                       at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
+                       at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                       const at::Tensor& slots_in, const at::Tensor& pos_in, int64_t nh, int64_t nkv, int64_t hd,
+                       double eps_d, int64_t mode, int64_t amx_rows) {
+  TORCH_CHECK(h_in.dim() == 2, "dmtd::rows_layers: h [R, H]");
+  const at::Tensor sl = slots_in.to(at::kLong).contiguous(), ps = pos_in.to(at::kLong).contiguous();
+  const int64_t R = h_in.size(0);
+  TORCH_CHECK(sl.numel() == R && ps.numel() == R, "dmtd::rows_layers: one slot and one position per row");
+  std::vector<int64_t> rslots(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + R);
+  std::vector<int64_t> rpos(ps.data_ptr<int64_t>(), ps.data_ptr<int64_t>() + R);
+  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, cos_in, sin_in,
+                          rslots, rpos, nh, nkv, hd, eps_d, mode, amx_rows, "dmtd::rows_layers");
 }
 
 }  // namespace
@@ -638,4 +694,5 @@ TORCH_LIBRARY_IMPL(dmtd, CPU, m) {
   m.impl("top1", &top1);
   m.impl("linear", &linear);
   m.impl("draft_layers", &draft_layers);
+  m.impl("rows_layers", &rows_layers);
 }
