@@ -7,6 +7,11 @@ draft, then repeats that check with 0, 1 and 2 drafts, alternately (``--reps`` t
 milliseconds of the pass and of its parts: the encoding, thinking and decoding layer groups, the stash of the
 tail path's input, the lm_head. Repeating a check rewrites the same KV positions, so every repetition sees the
 same cache; alternating the row counts cancels the machine's drift out of the differences.
+
+``--compare-loop`` also runs each check through the TorchScript layer loop (``dmtd.engine.decode_kernel``, the path
+before ``dmtd::rows_layers``), alternating with the one-call layer groups, and prints both tables and their ratio:
+
+    bash scripts/quiet.sh .venv/bin/python scripts/check_rows.py --compare-loop
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=150)
     ap.add_argument("--prompt", type=int, default=1, help="which of the demo's eight chat prompts")
     ap.add_argument("--after", type=int, default=40, help="measure at the first check with a draft from this one on")
+    ap.add_argument("--compare-loop", action="store_true",
+                    help="alternate with the TorchScript layer loop (model.fused_layers off) and compare")
     args = ap.parse_args()
     torch.set_num_threads(2)
     spec = engine_spec(None, "smollm2-135m-dmtd", None, dtype=torch.bfloat16, device="cpu",
@@ -75,23 +82,37 @@ def main() -> None:
     eng = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, dtype="bfloat16",
                                           adaptive_drafts=False))
     runner, verify, seen = eng.runner, eng.runner.verify, [0]
-    times: dict[int, dict[str, list[float]]] = {r: collections.defaultdict(list) for r in (1, 2, 3)}
+    paths = [True, False] if args.compare_loop else [runner.model.fused_layers]
+    every: dict[bool, dict[int, dict[str, list[float]]]] = {
+        f: {r: collections.defaultdict(list) for r in (1, 2, 3)} for f in paths}
+    times = every[paths[0]]
 
     def measure(seqs: list) -> None:
         s = seqs[0]
         drafts = list(s.drafts)
         for _ in range(args.reps):
-            for rows in (1, 2, 3):
-                s.drafts = (drafts * 3)[: rows - 1]
-                timed_check(runner, seqs, times[rows])
+            for fused in paths:
+                runner.model.fused_layers = fused
+                for rows in (1, 2, 3):
+                    s.drafts = (drafts * 3)[: rows - 1]
+                    timed_check(runner, seqs, every[fused][rows])
+        runner.model.fused_layers = paths[0]
         s.drafts = drafts
         print(f"{CHATS[args.prompt]!r}, check at position {s.draft_position - len(drafts)}: median ms of "
               f"{args.reps} checks each, alternating")
-        print(f"{'':18s}" + "".join(f"{f'{r} row' + ('s' if r > 1 else ''):>10s}" for r in (1, 2, 3)))
-        for name in PARTS:
-            print(f"{name:18s}" + "".join(f"{1e3 * statistics.median(times[r][name]):10.3f}" for r in (1, 2, 3)))
-        one = statistics.median(times[1]["pass"])
-        print("pass ÷ 1 row      " + "".join(f"{statistics.median(times[r]['pass']) / one:10.3f}" for r in (1, 2, 3)))
+        for fused in paths:
+            t = every[fused]
+            if len(paths) > 1:
+                print("one call a layer group (dmtd::rows_layers)" if fused else "the TorchScript layer loop")
+            print(f"{'':18s}" + "".join(f"{f'{r} row' + ('s' if r > 1 else ''):>10s}" for r in (1, 2, 3)))
+            for name in PARTS:
+                print(f"{name:18s}" + "".join(f"{1e3 * statistics.median(t[r][name]):10.3f}" for r in (1, 2, 3)))
+            one = statistics.median(t[1]["pass"])
+            print("pass ÷ 1 row      " + "".join(f"{statistics.median(t[r]['pass']) / one:10.3f}" for r in (1, 2, 3)))
+        if len(paths) > 1:
+            print("pass: one call ÷ loop" + "".join(
+                f"{statistics.median(every[True][r]['pass']) / statistics.median(every[False][r]['pass']):7.3f}"
+                for r in (1, 2, 3)))
 
     def wrapped(seqs: list) -> torch.Tensor:
         seen[0] += 1
