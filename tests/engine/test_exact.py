@@ -330,31 +330,39 @@ def test_stop_token_inside_accepted_drafts_ends_the_request_there():
     assert got.token_ids == ref.token_ids[: first + 1] and got.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights(rows):
-    """Drafts of one sequence run each layer group in one call (dmtd::draft_layers) on int8 draft weights: the
-    same values, and the same KV written, as the layer loop over those weights (E = 1 encoding layer, D = 2)."""
+def _packed_draft_runner(seed: int, num_seqs: int, g: torch.Generator):
+    """A tiny exact-profile runner with int8 (i8dot) draft weights (E = 1, D = 2) and random KV; returns it, its
+    config, its model, and a function that puts that KV back."""
     from dmtd.engine.config import EngineConfig
 
     dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
-    model = tiny_model(seed=7)
-    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=2, max_model_len=64, draft_quant="int8"),
+    model = tiny_model(seed=seed)
+    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=num_seqs, max_model_len=64, draft_quant="int8"),
                     default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
     r = eng.runner
     r.enable_exact()
-    assert r.draft_format == "i8dot" and r._fused is not None
-    g = torch.Generator().manual_seed(0)
     for k, v in r.kv:
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
     kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
-    h = torch.randn(rows, 64, generator=g)
-    last, slot = 11, 1
 
     def reset() -> None:
         for (k, v), (k0, v0) in zip(r.kv, kv0):
             k.copy_(k0)
             v.copy_(v0)
+
+    return r, dmtd, model, reset
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights(rows):
+    """Drafts of one sequence run each layer group in one call (dmtd::draft_layers) on int8 draft weights: the
+    same values, and the same KV written, as the layer loop over those weights (E = 1 encoding layer, D = 2)."""
+    g = torch.Generator().manual_seed(0)
+    r, dmtd, model, reset = _packed_draft_runner(7, 2, g)
+    assert r.draft_format == "i8dot" and r._fused is not None
+    h = torch.randn(rows, 64, generator=g)
+    last, slot = 11, 1
 
     for start, end in ((0, dmtd.thinking_start), (dmtd.decoding_start, dmtd.num_layers)):
         reset()
@@ -378,25 +386,15 @@ def test_rows_layers_compute_the_layer_loop_for_batches_chunks_and_padding():
     slot, a chunk of one slot's consecutive positions, and right-aligned rows with padding (a check of two
     sequences with different draft counts) get the values and the KV the layer loop computes, padding is written
     nowhere, and a row gets the same bits alone as beside others."""
-    from dmtd.engine.config import EngineConfig
-
-    dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
-    model = tiny_model(seed=3)
-    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=3, max_model_len=64, draft_quant="int8"),
-                    default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
-    r = eng.runner
-    r.enable_exact()
-    assert model.fused_layers
     g = torch.Generator().manual_seed(1)
-    for k, v in r.kv:
-        k.copy_(torch.randn(k.shape, generator=g))
-        v.copy_(torch.randn(v.shape, generator=g))
+    r, dmtd, model, reset = _packed_draft_runner(3, 3, g)
+    assert model.fused_layers
     kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
+    # the op, not a fallback: the decoding group's packed weights and float32 KV qualify
+    assert model.rows_args(r.draft_weights, r.kv, dmtd.decoding_start, dmtd.num_layers) is not None
 
     def run(slots, pos, valid, h, fused):
-        for (k, v), (k0, v0) in zip(r.kv, kv0):
-            k.copy_(k0)
-            v.copy_(v0)
+        reset()
         model.fused_layers = fused
         ctx = r._context(slots, pos, valid)
         with torch.inference_mode():

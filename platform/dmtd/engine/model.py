@@ -235,7 +235,7 @@ class Transformer(nn.Module):
             self._weights = [layer.weights() for layer in self.layers]  # type: ignore[operator]
         return self._weights
 
-    def _rows_args(self, weights: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+    def rows_args(self, weights: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], start: int,
                    end: int) -> tuple[int, list[list[torch.Tensor]]] | None:
         """``dmtd::rows_layers``' packed format and list arguments for layers ``start..end`` (gathered once per
         weights and cache lists): None where a layer has what the op does not compute (a qkv bias, q/k norms), a
@@ -343,7 +343,7 @@ class Transformer(nn.Module):
         weights = weights if weights is not None else self.layer_weights()
         if (self.fused_layers and ctx is not None and caches is not None and not torch.is_grad_enabled()
                 and h.shape[1] <= 16 and start < end):
-            fused = self._rows_args(weights, caches, start, end)
+            fused = self.rows_args(weights, caches, start, end)
             if fused is not None:
                 return self._fused_rows(h, ctx, *fused)
         if ctx is not None and caches is not None and not torch.is_grad_enabled() and (

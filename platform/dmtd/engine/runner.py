@@ -78,7 +78,7 @@ class ModelRunner:
         self.draft_format = lowbit.draft_format(cfg.draft_quant, self.device.type)
         self.draft_weights = self.weights
         # dmtd::draft_layers' per-layer arguments gathered by column, per layer group (start, end): one sequence
-        self._fused: dict[tuple[int, int], list[list[torch.Tensor]]] | None = None
+        self._fused: dict[tuple[int, int], tuple[int, list[list[torch.Tensor]]]] | None = None
 
     def _pack_layers(self, layers: list[LayerWeights], fmt: str | None) -> list[LayerWeights]:
         if fmt is None:
@@ -112,8 +112,9 @@ class ModelRunner:
                                       + self.weights[d.thinking_start: d.decoding_start]
                                       + lowbit.pack_layers(dense[d.decoding_start:], fmt))
                 self._draft_head = None
-                self._fused = fused_draft_args(self.draft_weights, self.kv,
-                                               [(0, d.thinking_start), (d.decoding_start, d.num_layers)])
+                groups = [(0, d.thinking_start), (d.decoding_start, d.num_layers)]
+                fused = {g: self.model.rows_args(self.draft_weights, self.kv, *g) for g in groups if g[0] < g[1]}
+                self._fused = None if None in fused.values() else fused  # type: ignore[assignment]
             else:
                 self.draft_format = None
 
@@ -294,12 +295,12 @@ class ModelRunner:
         assert self._fused is not None
         cfg, R = self.model.config, h.shape[0]
         pos = torch.arange(last - R + 1, last + 1, device=self.device)
-        cols = self._fused[(start, end)]
+        mode, cols = self._fused[(start, end)]
         cos, sin = self.model.rope_cos, self.model.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         return torch.ops.dmtd.draft_layers(
             h, *cols, cos[pos], sin[pos], slot, last + 1, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, lowbit.MODES[str(self.draft_format)])
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -403,24 +404,3 @@ def _weight_bytes(w: object) -> int:
 
 def _layer_bytes(layers: list[LayerWeights]) -> int:
     return sum(_weight_bytes(t) for lw in layers for t in lw)
-
-
-def fused_draft_args(layers: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]],
-                     groups: list[tuple[int, int]]) -> dict[tuple[int, int], list[list[torch.Tensor]]] | None:
-    """Per layer group ``(start, end)``, ``dmtd::draft_layers``' list arguments (gathered once, not per draft):
-    the norms as float32, the packed projections, the KV pairs. None where a layer has what the op does not
-    compute (qkv bias, q/k norms) or its KV is not contiguous float32."""
-    per_layer: dict[int, tuple] = {}
-    for i in (i for start, end in groups for i in range(start, end)):
-        w, (k, v) = layers[i], kv[i]
-        if w.qkv_bias is not None or w.q_norm is not None or w.k_norm is not None:
-            return None
-        if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
-            return None
-        ps = [p for p in (w.qkv, w.o, w.gate_up, w.down) if isinstance(p, lowbit.PackedWeight)]
-        if len(ps) < 4:
-            return None
-        packed = [getattr(p, a) for p in ps for a in ("data", "scales")]
-        per_layer[i] = (w.ln1.float().contiguous(), *packed[:4], w.ln2.float().contiguous(), *packed[4:], k, v)
-    return {(start, end): [list(c) for c in zip(*(per_layer[i] for i in range(start, end)))]
-            for start, end in groups if end > start}
