@@ -5,11 +5,12 @@ prompt, the τ = 1 run and each configuration on one engine, greedy, up to 96 ne
 
     .venv/bin/python scripts/exact_chats.py --configs a3:0,f2:0 --dtype bfloat16 --draft-quants auto,none
 
-A configuration is ``<a|s|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
+A configuration is ``<a|s|t|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
 ``s`` adaptive with the drafts scoring the draft vocabulary alone (``EngineConfig.context_vocab`` off: not the
-prompt's and the answer's own ids outside it), ``f`` fixed (up to τ − 1 drafts a cycle). Each prompt runs its
-configurations right after its own τ = 1 run, so machine drift between prompts cancels in the ratios; ``--rounds``
-repeats the whole sweep.
+prompt's and the answer's own ids outside it), ``t`` adaptive with the tails' drafts only
+(``EngineConfig.context_drafts`` off: no prompt-lookup cycles), ``f`` fixed (up to τ − 1 drafts a cycle, tails
+only). Each prompt runs its configurations right after its own τ = 1 run, so machine drift between prompts cancels in
+the ratios; ``--rounds`` repeats the whole sweep.
 """
 
 from __future__ import annotations
@@ -54,17 +55,19 @@ def main() -> None:
     cfg = EngineConfig(max_num_seqs=1, max_model_len=4096, dtype=args.dtype)
     modes = sorted({c[0] for c in args.configs.split(",")} | {"f"})
     engines = {(v, a, dq): build_engine(specs[v], dataclasses.replace(cfg, adaptive_drafts=a != "f",
-                                                                      context_vocab=a != "s", draft_quant=dq))
+                                                                      context_vocab=a != "s", draft_quant=dq,
+                                                                      context_drafts=a != "t"))
                for v in variants for a in modes for dq in dqs}
     configs = [(c + (f"/{dq}" if len(dqs) > 1 else "") + (f"@{Path(v).name}" if len(variants) > 1 else ""),
                 (v, c[0], dq), int(c[1:].split(":")[0]), float(c.split(":")[1]))
                for v in variants for dq in dqs for c in args.configs.split(",")]
 
     def run(engine: tuple[str, str, str], prompt: str, tau: int,
-            threshold: float) -> tuple[list[int], float, int, int]:
+            threshold: float) -> tuple[list[int], float, int, int, int, int]:
         r = engines[engine].generate([[{"role": "user", "content": prompt}]], SamplingParams(
             max_new_tokens=args.max_new_tokens, cycle_len=tau, exact=True, min_confidence=threshold))[0]
-        return r.token_ids, (len(r.token_ids) - 1) / r.decode_time_s, r.num_accepted, r.num_drafted
+        return (r.token_ids, (len(r.token_ids) - 1) / r.decode_time_s, r.num_accepted, r.num_drafted,
+                r.num_context_accepted, r.num_context_drafted)
 
     for key in engines:  # warm-up: first runs of each shape pay one-off costs
         run(key, prompts[0], 3, 0.0)
@@ -73,22 +76,25 @@ def main() -> None:
     identical = total = 0
     for rnd in range(args.rounds):
         for prompt in prompts:
-            ref, base, _, _ = run((variants[0], "f", dqs[0]), prompt, 1, 0.0)
+            ref, base, *_ = run((variants[0], "f", dqs[0]), prompt, 1, 0.0)
             line = f"{prompt[:34]:34s} {len(ref) - 1:3d} tok"
             for name, key, tau, threshold in configs:
-                ids, tok_s, acc, made = run(key, prompt, tau, threshold)
+                ids, tok_s, acc, made, cacc, cmade = run(key, prompt, tau, threshold)
                 identical += ids == ref
                 total += 1
                 speed[name].append(tok_s / base)
                 runs.append({"round": rnd + 1, "prompt": prompt, "config": name, "tokens": len(ref) - 1,
-                             "speedup": tok_s / base, "accepted": acc, "drafted": made, "identical": ids == ref})
-                line += f" | {name} {tok_s / base:.2f}x {acc}/{made}"
+                             "speedup": tok_s / base, "accepted": acc, "drafted": made, "identical": ids == ref,
+                             "context_accepted": cacc, "context_drafted": cmade})
+                line += f" | {name} {tok_s / base:.2f}x {acc}/{made}" + (f" ({cacc}/{cmade} context)" if cmade else "")
             print(f"[{rnd + 1}] {line}", flush=True)
     print(f"tokens identical to τ = 1's: {identical} of {total} runs ({args.dtype})")
     for name, xs in speed.items():
-        acc, made = (sum(r[k] for r in runs if r["config"] == name) for k in ("accepted", "drafted"))
+        acc, made, cacc, cmade = (sum(r[k] for r in runs if r["config"] == name)
+                                  for k in ("accepted", "drafted", "context_accepted", "context_drafted"))
         print(f"{name}: mean {statistics.mean(xs):.3f}x  median {statistics.median(xs):.3f}x  "
-              f"min {min(xs):.2f}x  max {max(xs):.2f}x  accepted {acc}/{made} = {acc / max(made, 1):.3f}")
+              f"min {min(xs):.2f}x  max {max(xs):.2f}x  accepted {acc}/{made} = {acc / max(made, 1):.3f}"
+              + (f", of them context drafts {cacc}/{cmade}" if cmade else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "command": vars(args), "runs": runs}, indent=1))
         print(f"wrote {args.json}")

@@ -76,6 +76,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="exact profile, local engine: 'adaptive' drafts per cycle the count with the most expected "
                    "tokens per measured cost, none where none pays (never much slower than the base alone); "
                    "'fixed' drafts up to τ − 1 each cycle (stopping at --min-confidence)")
+    p.add_argument("--no-context-drafts", action="store_true",
+                   help="exact profile, adaptive drafts, greedy: tails only; by default a cycle may instead check the "
+                   "tokens that followed an earlier occurrence of the context's last 3 tokens (prompt lookup), "
+                   "where the policy expects more tokens per cost of it")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -148,7 +152,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
-                                             quant=quant, adaptive_drafts=args.drafts == "adaptive"))
+                                             quant=quant, adaptive_drafts=args.drafts == "adaptive",
+                                             context_drafts=not args.no_context_drafts))
     tau = args.tau if args.tau is not None else spec.default_tau
     profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(
@@ -200,8 +205,10 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
     checked = ""
     if params.exact:
         rate = run.num_accepted / run.num_drafted if run.num_drafted else 0.0
+        context = (f", of them context drafts {run.num_context_accepted}/{run.num_context_drafted}"
+                   if run.num_context_drafted else "")
         checked = (f", exact: {run.num_accepted}/{run.num_drafted} drafts accepted ({rate:.0%}, {args.drafts} "
-                   f"drafts), verifier {engine.verifier_name}")
+                   f"drafts){context}, verifier {engine.verifier_name}")
     prec = dtype + ("" if quant == "none" else f" {quant}")
     print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s decode, mean block {mean_block:.2f}, τ={tau}{gate}{checked}, "
           f"{prec}, finish={run.finish_reason}]", file=out)
@@ -213,6 +220,7 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
     }
     if params.exact:
         record.update(verifier=engine.verifier_name, num_drafted=run.num_drafted, num_accepted=run.num_accepted,
+                      num_context_drafted=run.num_context_drafted, num_context_accepted=run.num_context_accepted,
                       drafts=args.drafts)
     if refs:
         from dmtd.client import compare_with_tau1
@@ -236,6 +244,8 @@ class LocalRun:
     finish_reason: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    num_context_drafted: int = 0
+    num_context_accepted: int = 0
 
 
 def _stream_local(engine: Any, prompt_ids: list[int], params: Any, echo: bool) -> LocalRun:
@@ -257,6 +267,8 @@ def _stream_local(engine: Any, prompt_ids: list[int], params: Any, echo: bool) -
         run.finish_reason = o.finish_reason
         run.num_drafted += o.num_drafted
         run.num_accepted += o.num_accepted
+        run.num_context_drafted += o.num_context_drafted
+        run.num_context_accepted += o.num_context_accepted
     dt = time.perf_counter() - (t_first or time.perf_counter())
     run.tokens_per_s = (len(run.tokens) - 1) / dt if dt > 0 and len(run.tokens) > 1 else 0.0
     return run

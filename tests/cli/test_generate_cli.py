@@ -91,6 +91,12 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
     a = json.loads(auto.stdout.strip().splitlines()[-1])
     assert a["drafts"] == "adaptive" and "adaptive drafts" in auto.stderr
     assert a["tokens_match_tau1"] is True and a["token_ids"] == out["token_ids"]
+    assert 0 <= a["num_context_accepted"] <= a["num_context_drafted"] <= a["num_drafted"]  # context drafts: a part
+    assert out["num_context_drafted"] == 0  # fixed drafts: the tails' only
+    tails = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "24", "--tau",
+                 "3", "--min-confidence", "0", "--no-context-drafts", "--json")
+    t = json.loads(tails.stdout.strip().splitlines()[-1])
+    assert tails.returncode == 0 and t["num_context_drafted"] == 0 and t["token_ids"] == out["token_ids"]
     from dmtd.engine.lowbit import resolve_dtype
 
     assert out["dtype"] == resolve_dtype("auto", "cpu")  # auto precision: bfloat16 on AVX-512, the exact profile too

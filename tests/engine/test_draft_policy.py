@@ -38,7 +38,8 @@ def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_sc
     prompts = prompts_of([5, 9, 13, 4], 1)
     ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True,
-                                                   draft_quant="none"),  # drafts as exact as the verifier
+                                                   draft_quant="none",  # drafts as exact as the verifier
+                                                   context_drafts=False),  # the tails' own policy
                     default_cycle_len=1, eos_token_ids=[])
     # costs as measured on a memory-bound machine: extra check positions and tails are cheap
     # (for every batch size the run passes through as requests finish, so no step's own timing enters)
@@ -81,7 +82,8 @@ def test_exploring_cycles_draft_only_where_a_draft_could_pay(draft_s, explores):
     """Nothing is ever accepted here. Every 8th cycle tries one draft to keep measuring, if a draft that is
     always accepted would beat a plain step at these costs; a tail of 5 steps cannot, so none is tried."""
     base = base_model(1, 1.0)
-    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True),
+    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
+                                                   context_drafts=False),
                     default_cycle_len=1, eos_token_ids=[])
     eng.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: draft_s}, decay=1.0)
     res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=48, cycle_len=4, exact=True))[0]
@@ -114,7 +116,8 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
     Counted, those passes read drafting as twice as costly as it is and a request that had stopped drafting
     never resumed (measured: 0 drafts over 8 chat requests); only passes of 1-2 positions are counted."""
     base = base_model(1, 1.0)
-    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True),
+    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
+                                                   context_drafts=False),
                     default_cycle_len=1, eos_token_ids=[])
     # a tail at half a step (held there: decay 1) so that drafting stops once the acceptance prior wears off
     eng.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: 0.5}, decay=1.0)

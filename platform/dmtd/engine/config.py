@@ -196,6 +196,10 @@ class EngineConfig:
     # exact profile, greedy requests: drafts also score the ids of their own context (prompt, answer so far) that a
     # restricted draft vocabulary lacks (dmtd.engine.runner.ModelRunner._draft_logits)
     context_vocab: bool = True
+    # exact profile with adaptive drafts, greedy requests: a cycle may check the tokens that followed an earlier
+    # occurrence of the context's last few tokens instead of the tails' drafts, where the policy expects more of it
+    # (dmtd.engine.llm.LLMEngine._context_drafts)
+    context_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -100,21 +100,48 @@ class PassCosts:
         unit = self.checks.get((batch, 1))
         if unit is None:
             return 1 + num_drafts * (self.check_prior_per_position + self.tail_prior)
-        check = self._now(self.checks, (batch, num_drafts + 1)) if (batch, num_drafts + 1) in self.checks else None
-        check_cost = check / unit if check is not None else 1 + num_drafts * self.check_prior_per_position
-        return check_cost + num_drafts * self.tail_share(batch, unit)
+        return self.check_cost(batch, num_drafts) + num_drafts * self.tail_share(batch, unit)
+
+    def check_cost(self, batch: int, num_drafts: int) -> float:
+        """A check of ``num_drafts`` drafts alone (no tail passes: context drafts), in the units of cycle_cost."""
+        unit = self.checks.get((batch, 1))
+        key = (batch, num_drafts + 1)
+        if unit is None or key not in self.checks:
+            return 1 + num_drafts * self.check_prior_per_position
+        return self._now(self.checks, key) / unit
 
 
-def expected_tokens(accepted_by_pos: list[int], drafted_by_pos: list[int], num_drafts: int,
-                    prior: float = PRIOR_ACCEPTANCE) -> float:
-    """``1 + a_1 + a_1·a_2 + …`` over ``num_drafts`` positions, each ``a_j`` smoothed toward ``prior``."""
-    total, run = 1.0, 1.0
+def count_cycle(drafted_by_pos: list[int], accepted_by_pos: list[int], num_drafts: int, num_accepted: int) -> None:
+    """Add one checked cycle: its ``num_drafts`` positions drafted, the first ``num_accepted`` of them accepted."""
     for j in range(num_drafts):
+        if j >= len(drafted_by_pos):
+            drafted_by_pos.append(0)
+            accepted_by_pos.append(0)
+        drafted_by_pos[j] += 1
+        accepted_by_pos[j] += j < num_accepted
+
+
+def acceptance_by_pos(accepted_by_pos: list[int], drafted_by_pos: list[int], num_drafts: int,
+                      prior: float | list[float] = PRIOR_ACCEPTANCE) -> list[float]:
+    """Each position's acceptance ``a_j`` given the drafts before it were accepted, smoothed toward ``prior`` (one
+    number, or one a position: the last one stands for the positions past it)."""
+    out = []
+    for j in range(num_drafts):
+        p = prior if isinstance(prior, (int, float)) else prior[min(j, len(prior) - 1)] if prior else PRIOR_ACCEPTANCE
         acc = accepted_by_pos[j] if j < len(accepted_by_pos) else 0
         drafted = drafted_by_pos[j] if j < len(drafted_by_pos) else 0
         # a_j is conditional: draft j counts only in cycles that drafted it after j − 1 accepted drafts
         reached = drafted if j == 0 else min(drafted, accepted_by_pos[j - 1] if j - 1 < len(accepted_by_pos) else 0)
-        run *= (acc + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+        out.append((acc + p * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT))
+    return out
+
+
+def expected_tokens(accepted_by_pos: list[int], drafted_by_pos: list[int], num_drafts: int,
+                    prior: float | list[float] = PRIOR_ACCEPTANCE) -> float:
+    """``1 + a_1 + a_1·a_2 + …`` over ``num_drafts`` positions, each ``a_j`` smoothed toward ``prior``."""
+    total, run = 1.0, 1.0
+    for a in acceptance_by_pos(accepted_by_pos, drafted_by_pos, num_drafts, prior):
+        run *= a
         total += run
     return total
 

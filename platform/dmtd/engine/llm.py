@@ -14,12 +14,21 @@ import torch
 
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_policy import STEADY_CATCH_UP, TAIL_PASS_OVERHEAD, PassCosts, best_num_drafts, worth_exploring
+from dmtd.engine.draft_policy import (
+    STEADY_CATCH_UP,
+    TAIL_PASS_OVERHEAD,
+    PassCosts,
+    acceptance_by_pos,
+    best_num_drafts,
+    count_cycle,
+    expected_tokens,
+    worth_exploring,
+)
 from dmtd.engine.model import Transformer
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
 from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
-from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
+from dmtd.engine.sequence import CONTEXT_NGRAMS, RequestError, SamplingParams, Sequence, SequenceStatus
 from dmtd.engine.verifier import Verifier, check_draft_vocab
 
 
@@ -63,6 +72,8 @@ class StepOutput:
     error: str | None = None
     num_drafted: int = 0  # verified cycles: drafts checked by the head that closed this block
     num_accepted: int = 0
+    num_context_drafted: int = 0  # of them, context drafts (prompt lookup): all or none of a block's
+    num_context_accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -81,6 +92,8 @@ class GenerationResult:
     num_accepted: int = 0
     accepted_by_pos: list[int] = field(default_factory=list)
     drafted_by_pos: list[int] = field(default_factory=list)
+    num_context_drafted: int = 0
+    num_context_accepted: int = 0
 
     @property
     def acceptance(self) -> float | None:
@@ -90,6 +103,11 @@ class GenerationResult:
     @property
     def mean_block_len(self) -> float:
         return sum(map(len, self.blocks)) / len(self.blocks) if self.blocks else 0.0
+
+
+# context drafts a cycle at most: a check of 4 positions is one pass over the weights on AVX2 (4 rows a pass; 5
+# positions cost ~1.8 plain steps, 4 ~1.3, 2 ~1.05); a longer repeat is taken over several cycles
+MAX_CONTEXT_DRAFTS = 3
 
 
 class LLMEngine:
@@ -122,6 +140,9 @@ class LLMEngine:
         self._draft_q: dict[str, list[torch.Tensor | None]] = {}
         self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
         self.pass_costs = PassCosts()  # what the draft policy learns of this machine
+        # context drafts by n over every request so far, (drafted, accepted) by position: a new request's prior (a
+        # 2-token match that is right 1 time in 6 should not be tried a dozen times on every request to learn it)
+        self.context_by_pos: dict[int, tuple[list[int], list[int]]] = {}
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -211,8 +232,10 @@ class LLMEngine:
             for s in out.prefill:
                 if s.params.exact:
                     self._choose_drafts(s)
-                    s.draft_done = (s.max_drafts(self.cfg.max_model_len) == 0
-                                    or conf.get(s.req_id, 1.0) < s.params.min_confidence)
+                    uncertain = conf.get(s.req_id, 1.0) < s.params.min_confidence
+                    s.draft_done = s.max_drafts(self.cfg.max_model_len) == 0 or uncertain
+                    if s.status is SequenceStatus.RUNNING and not uncertain:
+                        self._context_drafts(s)
             return results
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
@@ -267,6 +290,35 @@ class LLMEngine:
                                                                    seq.accepted_by_pos, seq.drafted_by_pos)
         seq.draft_target = best + 1 if explore else best
 
+    def _context_drafts(self, seq: Sequence) -> None:
+        """With ``context_drafts`` (and the adaptive policy, whose costs it weighs): make this cycle's drafts the
+        tokens that followed the latest earlier occurrence of the context's last few tokens, where that has more
+        expected tokens per cost than the tails' best count. Such drafts cost no tail pass, only the check's
+        wider rows; their acceptance is counted apart (per request, per position, from the same prior)."""
+        if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.drafts:
+            return
+        left = seq.params.max_new_tokens - seq.num_generated
+        most = min(MAX_CONTEXT_DRAFTS, left - 1, self.cfg.max_model_len - len(seq.token_ids))
+        batch, costs = len(self.scheduler.running), self.pass_costs
+        tails = 0 if seq.draft_done else seq.max_drafts(self.cfg.max_model_len)
+        best = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
+        pick: list[int] = []
+        for n in CONTEXT_NGRAMS:
+            cont = seq.context_continuation(most, n)
+            for j, t in enumerate(cont):  # nothing past a stop token: it would end the request
+                if t in seq.params.stop_token_ids or (not seq.params.ignore_eos and t in self.eos_ids):
+                    cont = cont[: j + 1]
+                    break
+            drafted, accepted = seq.context_by_pos.get(n, ([], []))
+            seen_d, seen_a = self.context_by_pos.get(n, ([], []))
+            prior = acceptance_by_pos(seen_a, seen_d, MAX_CONTEXT_DRAFTS)
+            for m in range(1, len(cont) + 1):
+                rate = expected_tokens(accepted, drafted, m, prior) / costs.check_cost(batch, m)
+                if rate > best:
+                    pick, best, seq.context_ngram = cont[:m], rate, n
+        if pick:
+            seq.drafts, seq.draft_done = pick, True
+
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
         for s in seqs:
@@ -310,7 +362,7 @@ class LLMEngine:
             if not c.finite:
                 results += self._fail([s])
                 continue
-            generated = s.num_generated
+            generated, context = s.num_generated, s.context_ngram
             self._choose_drafts(s)  # before the check is applied: it decides from the new target whether to draft
             events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)
             for j, ev in enumerate(events):
@@ -320,18 +372,35 @@ class LLMEngine:
                     if j < len(events) - 1:  # a stop string ended the block early: it holds what was emitted
                         del s.token_ids[s.prompt_len + generated + j + 1:]
                         o.block, o.block_confidences = c.tokens[: j + 1], c.confidences[: j + 1]
-                        self._unaccept(s, c.num_accepted, j + 1)
+                        self._unaccept(s, c.num_accepted, j + 1, context)
                     break
-            results[-1].num_drafted, results[-1].num_accepted = m, min(c.num_accepted, len(results[-1].block or []))
+            last, accepted = results[-1], min(c.num_accepted, len(results[-1].block or []))
+            last.num_drafted, last.num_accepted = m, accepted
+            if context:
+                last.num_context_drafted, last.num_context_accepted = m, accepted
+                self._count_context(context, m, accepted)
+            if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
+                self._context_drafts(s)
         self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
         return results
 
+    def _count_context(self, n: int, drafted: int, accepted: int) -> None:
+        """Fold a context cycle into the engine-wide counts (halved past 1,000 cycles: they follow the workload)."""
+        d, a = self.context_by_pos.setdefault(n, ([], []))
+        count_cycle(d, a, drafted, accepted)
+        if d and d[0] > 1000:
+            d[:], a[:] = [x // 2 for x in d], [x // 2 for x in a]
+
     @staticmethod
-    def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int) -> None:
+    def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int, context: int) -> None:
         """Accepted drafts past a stop string were never emitted: count only those that were."""
         for j in range(num_emitted, num_accepted):
-            seq.accepted_by_pos[j] -= 1
             seq.num_accepted -= 1
+            if context:
+                seq.context_by_pos[context][1][j] -= 1
+                seq.num_context_accepted -= 1
+            else:
+                seq.accepted_by_pos[j] -= 1
 
     def _to_output(self, ev: TokenEvent) -> StepOutput:
         seq = self.seqs[ev.req_id]
@@ -422,6 +491,8 @@ class LLMEngine:
                     seq = self.seqs.get(o.req_id)
                     if seq is not None:
                         r.num_drafted, r.num_accepted = seq.num_drafted, seq.num_accepted
+                        r.num_context_drafted, r.num_context_accepted = (seq.num_context_drafted,
+                                                                         seq.num_context_accepted)
                         r.drafted_by_pos, r.accepted_by_pos = list(seq.drafted_by_pos), list(seq.accepted_by_pos)
                     self.release(o.req_id)
         return [res[rid] for rid in ids]

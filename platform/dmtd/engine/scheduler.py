@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dmtd.engine.config import DMTDConfig
+from dmtd.engine.draft_policy import count_cycle
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
 
@@ -191,13 +192,14 @@ class Scheduler:
         seq.num_think_cached = head + 1
         seq.num_drafted += m
         seq.num_accepted += num_accepted
-        for j in range(m):
-            if j >= len(seq.drafted_by_pos):
-                seq.drafted_by_pos.append(0)
-                seq.accepted_by_pos.append(0)
-            seq.drafted_by_pos[j] += 1
-            seq.accepted_by_pos[j] += j < num_accepted
-        seq.drafts, seq.draft_done = [], False
+        if seq.context_ngram:  # by position counted apart (by n): the tails' own acceptance decides their drafts
+            seq.num_context_drafted += m
+            seq.num_context_accepted += num_accepted
+            drafted, accepted = seq.context_by_pos.setdefault(seq.context_ngram, ([], []))
+        else:
+            drafted, accepted = seq.drafted_by_pos, seq.accepted_by_pos
+        count_cycle(drafted, accepted, m, num_accepted)
+        seq.drafts, seq.draft_done, seq.context_ngram = [], False, 0
         events = []
         for j, (tok, conf) in enumerate(zip(tokens, confidences)):
             is_head = j == len(tokens) - 1

@@ -16,6 +16,10 @@ class RequestError(ValueError):
         self.field = field
 
 
+# context drafts match the context's last 3 or 2 tokens (on the demo's chat prompts, τ = 1 answers, up to 4 drafts:
+# 3 tokens matched 60 times in 735 tokens, 140 of 240 drafts right; 3 else 2: 90 matches, 169 of 360 right)
+CONTEXT_NGRAMS = (3, 2)
+
 TEMPERATURE_FLOOR = 1e-2  # below it logits / T overflow float32 (1e-37 gave garbage): such temperatures are greedy
 
 
@@ -99,6 +103,14 @@ class Sequence:
     draft_target: int | None = None  # this cycle's draft count chosen by the engine's policy (None: τ − 1)
     drafted_by_pos: list[int] = field(default_factory=list)  # per tail position within a cycle
     accepted_by_pos: list[int] = field(default_factory=list)
+    # context drafts (exact profile, greedy): this cycle's drafts repeat what followed the latest earlier occurrence
+    # of the context's last n tokens (prompt lookup; n in CONTEXT_NGRAMS) instead of coming from the tails
+    context_ngram: int = 0  # n of this cycle's context drafts; 0: the tails' drafts
+    num_context_drafted: int = 0
+    num_context_accepted: int = 0
+    context_by_pos: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # n → (drafted, accepted)
+    ngram_ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram → index of its latest last token
+    ngram_indexed: int = 0  # the n-grams ending before this index are in ngram_ends
     finish_reason: str | None = None
     error: str | None = None
     seq_no: int = field(default_factory=lambda: next(_ids))
@@ -138,6 +150,19 @@ class Sequence:
         left = self.params.max_new_tokens - self.num_generated
         most = self.cycle_len - 1 if self.draft_target is None else min(self.cycle_len - 1, self.draft_target)
         return max(0, min(most, left - 1, max_model_len - len(self.token_ids)))
+
+    def context_continuation(self, k: int, n: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last ``n`` tokens (prompt
+        and answer so far; ``n`` in CONTEXT_NGRAMS), or none. The index grows with the context: O(1) a call."""
+        ids = self.token_ids
+        last = len(ids) - 1  # the n-grams ending before the last token: the suffix itself is not its own match
+        for e in range(self.ngram_indexed, last):
+            for m in CONTEXT_NGRAMS:
+                if e >= m - 1:
+                    self.ngram_ends[tuple(ids[e - m + 1: e + 1])] = e
+        self.ngram_indexed = max(self.ngram_indexed, last)
+        end = self.ngram_ends.get(tuple(ids[-n:])) if k > 0 and len(ids) >= n else None
+        return [] if end is None else ids[end + 1: end + 1 + k]
 
     @property
     def generated_ids(self) -> list[int]:
