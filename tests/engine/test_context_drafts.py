@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.draft_policy import PassCosts
-from dmtd.engine.llm import MAX_CONTEXT_DRAFTS, LLMEngine
+from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import CONTEXT_NGRAMS, SamplingParams, Sequence
 from tests.conftest import tiny_engine
 from tests.engine.test_exact import DMTD, base_model, prompts_of
@@ -83,7 +83,7 @@ def test_context_drafts_keep_the_output_the_verifiers_and_are_counted_apart(thin
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     for r in got:
         assert sum(map(len, r.blocks)) == len(r.token_ids)
-        assert max(map(len, r.blocks)) <= max(3, MAX_CONTEXT_DRAFTS + 1)
+        assert max(map(len, r.blocks)) <= 3  # τ bounds a block, context drafts' too
         assert 0 <= r.num_context_accepted <= r.num_context_drafted <= r.num_drafted  # drafted: both kinds
         assert 0 <= r.num_accepted <= r.num_drafted
         assert sum(r.accepted_by_pos) == r.num_accepted - r.num_context_accepted  # by position: the tails'
@@ -108,6 +108,8 @@ def test_context_drafts_stop_at_a_stop_token_and_need_greedy_and_the_adaptive_po
     sampled = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=3, exact=True,
                                                                     temperature=1.0, seed=1))[0]
     assert sampled.num_context_drafted == 0  # sampled rows: drafts need the tail's distribution
+    tau1 = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=1, exact=True))[0]
+    assert tau1.num_drafted == 0 and tau1.token_ids == ref.token_ids  # τ = 1: the verifier alone, no lookups
     fixed = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=False),
                       default_cycle_len=1, eos_token_ids=[])
     res = fixed.generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=3, exact=True))[0]

@@ -110,6 +110,11 @@ class GenerationResult:
 MAX_CONTEXT_DRAFTS = 3
 
 
+def _less(counts: list[int], mine: list[int]) -> list[int]:
+    """Engine-wide counts by position less one request's (never below 0: the engine's are halved now and then)."""
+    return [max(0, x - (mine[j] if j < len(mine) else 0)) for j, x in enumerate(counts)]
+
+
 class LLMEngine:
     """Continuous-batching DMTD engine over one model.
 
@@ -298,7 +303,8 @@ class LLMEngine:
         if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.drafts:
             return
         left = seq.params.max_new_tokens - seq.num_generated
-        most = min(MAX_CONTEXT_DRAFTS, left - 1, self.cfg.max_model_len - len(seq.token_ids))
+        # τ bounds a block whoever drafts it (τ = 1: the verifier alone; the controller's fill ratio k / τ)
+        most = min(MAX_CONTEXT_DRAFTS, seq.cycle_len - 1, left - 1, self.cfg.max_model_len - len(seq.token_ids))
         batch, costs = len(self.scheduler.running), self.pass_costs
         tails = 0 if seq.draft_done else seq.max_drafts(self.cfg.max_model_len)
         best = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
@@ -310,8 +316,8 @@ class LLMEngine:
                     cont = cont[: j + 1]
                     break
             drafted, accepted = seq.context_by_pos.get(n, ([], []))
-            seen_d, seen_a = self.context_by_pos.get(n, ([], []))
-            prior = acceptance_by_pos(seen_a, seen_d, MAX_CONTEXT_DRAFTS)
+            seen_d, seen_a = self.context_by_pos.get(n, ([], []))  # every request's, this one's included: less it
+            prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
             for m in range(1, len(cont) + 1):
                 rate = expected_tokens(accepted, drafted, m, prior) / costs.check_cost(batch, m)
                 if rate > best:
