@@ -10,7 +10,8 @@ import time
 
 from dmtd.client import DMTDClient
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.llm import GenerationResult, LLMEngine
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.outputs import GenerationResult
 from dmtd.engine.sequence import SamplingParams
 from tests.serve.conftest import VARIANT
 from tests.serve.test_metrics import concurrent_streams, scrape, urls

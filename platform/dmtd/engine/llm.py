@@ -7,112 +7,28 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dmtd.engine import context_drafts
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.draft_policy import (
     STEADY_CATCH_UP,
     TAIL_PASS_OVERHEAD,
     PassCosts,
-    acceptance_by_pos,
     best_num_drafts,
-    count_cycle,
     expected_tokens,
     worth_exploring,
 )
 from dmtd.engine.model import Transformer
+from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
 from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
-from dmtd.engine.sequence import CONTEXT_NGRAMS, RequestError, SamplingParams, Sequence, SequenceStatus
+from dmtd.engine.sequence import RequestError, SamplingParams, Sequence, SequenceStatus
 from dmtd.engine.verifier import Verifier, check_draft_vocab
-
-
-class Detokenizer:
-    """Incremental, UTF-8-safe detokenization (holds back a trailing partial character)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
-        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
-            return delta
-        return ""
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step did for one request (``block`` set when a cycle completed)."""
-
-    req_id: str
-    token_id: int
-    is_head: bool
-    confidence: float
-    text_delta: str
-    block: list[int] | None = None
-    block_confidences: list[float] | None = None
-    cycle_len: int = 1
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_drafted: int = 0  # verified cycles: drafts checked by the head that closed this block
-    num_accepted: int = 0
-    num_context_drafted: int = 0  # of them, context drafts (prompt lookup): all or none of a block's
-    num_context_accepted: int = 0
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    req_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    blocks: list[list[int]] = field(default_factory=list)
-    head_flags: list[bool] = field(default_factory=list)
-    confidences: list[float] = field(default_factory=list)
-    decode_time_s: float = 0.0
-    error: str | None = None
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_by_pos: list[int] = field(default_factory=list)
-    drafted_by_pos: list[int] = field(default_factory=list)
-    num_context_drafted: int = 0
-    num_context_accepted: int = 0
-
-    @property
-    def acceptance(self) -> float | None:
-        """Accepted ÷ drafted tail tokens (verified cycles); None when nothing was drafted."""
-        return self.num_accepted / self.num_drafted if self.num_drafted else None
-
-    @property
-    def mean_block_len(self) -> float:
-        return sum(map(len, self.blocks)) / len(self.blocks) if self.blocks else 0.0
-
-
-# context drafts a cycle at most: a check of 4 positions is one pass over the weights on AVX2 (4 rows a pass; 5
-# positions cost ~1.8 plain steps, 4 ~1.3, 2 ~1.05); a longer repeat is taken over several cycles
-MAX_CONTEXT_DRAFTS = 3
-
-
-def _less(counts: list[int], mine: list[int]) -> list[int]:
-    """Engine-wide counts by position less one request's (never below 0: the engine's are halved now and then)."""
-    return [max(0, x - (mine[j] if j < len(mine) else 0)) for j, x in enumerate(counts)]
 
 
 class LLMEngine:
@@ -147,7 +63,7 @@ class LLMEngine:
         self.pass_costs = PassCosts()  # what the draft policy learns of this machine
         # context drafts by n over every request so far, (drafted, accepted) by position: a new request's prior (a
         # 2-token match that is right 1 time in 6 should not be tried a dozen times on every request to learn it)
-        self.context_by_pos: dict[int, tuple[list[int], list[int]]] = {}
+        self.context_by_pos: context_drafts.Counts = {}
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -304,26 +220,14 @@ class LLMEngine:
             return
         left = seq.params.max_new_tokens - seq.num_generated
         # τ bounds a block whoever drafts it (τ = 1: the verifier alone; the controller's fill ratio k / τ)
-        most = min(MAX_CONTEXT_DRAFTS, seq.cycle_len - 1, left - 1, self.cfg.max_model_len - len(seq.token_ids))
+        most = min(context_drafts.MAX_CONTEXT_DRAFTS, seq.cycle_len - 1, left - 1,
+                   self.cfg.max_model_len - len(seq.token_ids))
         batch, costs = len(self.scheduler.running), self.pass_costs
         tails = 0 if seq.draft_done else seq.max_drafts(self.cfg.max_model_len)
-        best = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
-        pick: list[int] = []
-        for n in CONTEXT_NGRAMS:
-            cont = seq.context_continuation(most, n)
-            for j, t in enumerate(cont):  # nothing past a stop token: it would end the request
-                if t in seq.params.stop_token_ids or (not seq.params.ignore_eos and t in self.eos_ids):
-                    cont = cont[: j + 1]
-                    break
-            drafted, accepted = seq.context_by_pos.get(n, ([], []))
-            seen_d, seen_a = self.context_by_pos.get(n, ([], []))  # every request's, this one's included: less it
-            prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
-            for m in range(1, len(cont) + 1):
-                rate = expected_tokens(accepted, drafted, m, prior) / costs.check_cost(batch, m)
-                if rate > best:
-                    pick, best, seq.context_ngram = cont[:m], rate, n
+        bar = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
+        pick, n = context_drafts.choose(seq, self.context_by_pos, costs, batch, bar, most, self.eos_ids)
         if pick:
-            seq.drafts, seq.draft_done = pick, True
+            seq.drafts, seq.draft_done, seq.context_ngram = pick, True, n
 
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
@@ -384,18 +288,11 @@ class LLMEngine:
             last.num_drafted, last.num_accepted = m, accepted
             if context:
                 last.num_context_drafted, last.num_context_accepted = m, accepted
-                self._count_context(context, m, accepted)
+                context_drafts.count(self.context_by_pos, context, m, accepted)
             if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
                 self._context_drafts(s)
         self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
         return results
-
-    def _count_context(self, n: int, drafted: int, accepted: int) -> None:
-        """Fold a context cycle into the engine-wide counts (halved past 1,000 cycles: they follow the workload)."""
-        d, a = self.context_by_pos.setdefault(n, ([], []))
-        count_cycle(d, a, drafted, accepted)
-        if d and d[0] > 1000:
-            d[:], a[:] = [x // 2 for x in d], [x // 2 for x in a]
 
     @staticmethod
     def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int, context: int) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmtd.engine.llm import LLMEngine, StepOutput
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.outputs import StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.errors import ReplicaInternalError, RequestFailed
 from dmtd_contract.records import Block, ReplicaRequest

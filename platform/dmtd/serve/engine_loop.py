@@ -24,7 +24,8 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dmtd.engine.llm import LLMEngine, StepOutput
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.outputs import StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.engine_job import PUSHED, Done, Job, Live, Pushed, SeqInfo, encode_prompt, internal_error, run_job

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.llm import GenerationResult, LLMEngine
+from dmtd.engine.llm import LLMEngine
 from dmtd.engine.model import LayerWeights, Transformer
+from dmtd.engine.outputs import GenerationResult
 from dmtd.engine.sequence import SamplingParams
 from dmtd.engine.verifier import snapshot_decoding_layers
 from dmtd.train.corpus import Record
