@@ -33,11 +33,12 @@ def main() -> None:
     ap.add_argument("--tau", type=int, default=2)
     ap.add_argument("--variant", default="smollm2-135m-dmtd")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--draft-quant", default="auto", help="the drafts' weights (EngineConfig.draft_quant)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     spec = engine_spec(None, args.variant, None, dtype=torch.bfloat16, device="cpu", search_dirs=[SHIPPED_VARIANTS])
     eng = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, dtype="bfloat16",
-                                          adaptive_drafts=False))
+                                          adaptive_drafts=False, draft_quant=args.draft_quant))
     total: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter[str] = collections.Counter()
 
