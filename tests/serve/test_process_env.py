@@ -6,6 +6,7 @@ import pytest
 
 from dmtd.serve.settings import (
     DEFAULT_STREAM_INTERVAL_MS,
+    context_drafts_setting,
     drafts_setting,
     gateway_process_env,
     replica_process_env,
@@ -71,3 +72,18 @@ def test_drafts_default_to_adaptive_and_name_their_field():
     assert drafts_setting("fixed") == "fixed"
     with pytest.raises(ValueError, match="drafts"):
         drafts_setting("sometimes")
+    assert context_drafts_setting(None) is context_drafts_setting("") is context_drafts_setting("True") is True
+    assert context_drafts_setting(False) is context_drafts_setting("false") is False
+    with pytest.raises(ValueError, match="context_drafts: must be true or false, got 'sometimes'"):
+        context_drafts_setting("sometimes")
+
+
+def test_the_replicas_engine_takes_the_context_drafts_setting():
+    """`context_drafts: false` (`dmtd serve --no-context-drafts`) reaches the replica's engine; the default is on."""
+    from dmtd.serve.app import EngineFactory
+
+    for setting in (True, False):
+        engine, _ = EngineFactory(variant="smollm2-135m-dmtd", max_num_seqs=2, max_model_len=256, torch_threads=1,
+                                  context_drafts=setting)()
+        assert engine.cfg.context_drafts is setting and engine.cfg.adaptive_drafts is True
+    assert EngineFactory().context_drafts is True

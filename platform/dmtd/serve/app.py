@@ -33,7 +33,14 @@ from dmtd.serve.openai_models import openai_field, openai_text, parse_body
 from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
-from dmtd.serve.settings import block_push, drafts_setting, gateway_process_env, replica_process_env, stream_interval
+from dmtd.serve.settings import (
+    block_push,
+    context_drafts_setting,
+    drafts_setting,
+    gateway_process_env,
+    replica_process_env,
+    stream_interval,
+)
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import configure_json_logging
@@ -63,6 +70,7 @@ class EngineFactory:
     dtype: str | None = None  # None: the variant's recommendation, else auto (dmtd.engine.lowbit.resolve_dtype)
     quant: str | None = None
     adaptive_drafts: bool = True  # exact requests: the draft count that pays (EngineConfig.adaptive_drafts)
+    context_drafts: bool = True  # exact greedy requests: the context's own continuation (EngineConfig.context_drafts)
 
     def __call__(self) -> tuple[Any, ControllerConfig]:
         import torch
@@ -79,7 +87,8 @@ class EngineFactory:
                            search_dirs=[SHIPPED_VARIANTS])
         engine = build_engine(spec, EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                                  device=device, dtype=dtype, quant=quant,
-                                                 adaptive_drafts=self.adaptive_drafts))
+                                                 adaptive_drafts=self.adaptive_drafts,
+                                                 context_drafts=self.context_drafts))
         tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
         cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
                                rest_min_confidence=spec.min_confidence, itl_slo_ms=self.itl_slo_ms,
@@ -375,7 +384,9 @@ def build_app(args: dict[str, Any]) -> Any:
                                 itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
                                 torch_threads=int(args.get("torch_threads", 0)),
                                 dtype=v.get("dtype", args.get("dtype")), quant=v.get("quant", args.get("quant")),
-                                adaptive_drafts=drafts_setting(v.get("drafts", args.get("drafts"))) == "adaptive")
+                                adaptive_drafts=drafts_setting(v.get("drafts", args.get("drafts"))) == "adaptive",
+                                context_drafts=context_drafts_setting(v.get("context_drafts",
+                                                                            args.get("context_drafts"))))
         from dmtd.serve.replica import DMTDReplica
 
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"

@@ -52,6 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafts", choices=("adaptive", "fixed"), default=None,
                    help="how replicas draft for exact requests: 'adaptive' (default: the count that pays, none "
                    "where none does) or 'fixed' (up to τ − 1 a cycle)")
+    p.add_argument("--no-context-drafts", action="store_true",
+                   help="exact greedy requests draft with the tails only; by default a cycle may instead check the "
+                   "tokens that followed an earlier occurrence of the context's last few tokens, where that pays")
     p.add_argument("--block-push", default=None, metavar="auto|off|ADDRESS",
                    help="replicas push blocks straight to a TCP sink of the gateway (default auto: on loopback when "
                    "the gateway is); off: blocks travel as items of the Serve call, gathered by --stream-interval-ms")
@@ -208,6 +211,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
         "tls_cert_file": cert, "tls_key_file": key, "stream_interval_ms": getattr(args, "stream_interval_ms", None),
         "block_push": getattr(args, "block_push", None), "drafts": getattr(args, "drafts", None),
+        "context_drafts": not getattr(args, "no_context_drafts", False),
     })
 
     def start() -> None:

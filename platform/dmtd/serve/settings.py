@@ -88,6 +88,19 @@ def block_push(args: dict[str, Any]) -> str:
     return text
 
 
+def context_drafts_setting(value: Any) -> bool:
+    """Whether exact greedy requests may check the context's own continuation instead of the tails' drafts (default
+    on; EngineConfig.context_drafts): a bool, or ``true`` / ``false`` as text."""
+    if value in (None, ""):
+        return True
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise ValueError(f"context_drafts: must be true or false, got {value!r}")
+    return text == "true"
+
+
 def drafts_setting(value: Any) -> str:
     """How exact requests draft: ``adaptive`` (default: the count that pays, none where none does) or ``fixed``."""
     text = "adaptive" if value in (None, "") else str(value)
