@@ -211,6 +211,7 @@ def main() -> int:
     ap.add_argument("--gen-batch", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--init-from", type=Path, default=SHIPPED, help="variant directory (or checkpoint) to start from")
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--max-records", type=int, default=0, help="use only this many mirror records (smoke)")
@@ -291,7 +292,7 @@ def main() -> int:
                           batch_size=args.batch_size, grad_accum=1, max_len=512, checkpoint_every=10**9,
                           keep_checkpoints=1, eval_every=args.eval_every, eval_records=64,
                           compute_dtype="bfloat16" if args.device.startswith("cuda") else "float32",
-                          device=args.device, init_from=str(SHIPPED))
+                          device=args.device, init_from=str(args.init_from))
         trainer = Trainer(cfg, run_dir, progress=False)
         held = {"wide": [r for r in trainer.heldout if r.prompt_idx < 100_000],
                 "chat": [r for r in trainer.heldout if 100_000 <= r.prompt_idx < 200_000]}
