@@ -65,6 +65,10 @@ def main() -> int:
         if key in m and sha256_file(tmp / m[key]) != m[f"{key}_sha256"]:
             print(f"{m[key]} does not match the SHA-256 in {MANIFEST_NAME}", file=sys.stderr)
             return 2
+    keep = {MANIFEST_NAME, *(m[k] for k in ("weights", "adapter", "heldout") if k in m)}
+    for f in tmp.iterdir():  # e.g. the full-rank int8 tensors: not a variant file
+        if f.name not in keep:
+            f.unlink()
     like = json.loads((args.like / MANIFEST_NAME).read_text())
     if like["base_fingerprint"] != m["base_fingerprint"]:
         print(f"{args.like} was made from another base model", file=sys.stderr)

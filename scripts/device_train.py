@@ -16,7 +16,8 @@ lease:
    the shipped variant, bf16 autocast, until the deadline; the cosine schedule is sized from the first
    steps' speed;
 4. **export**: the shipped format (rank-128 bf16 adapter), teacher-forced tail agreement by τ on the wide
-   and chat held-out records for the init and the result, ``log.jsonl`` and the curve.
+   and chat held-out records for the init, the trained weights and the export (its rank-128 truncation costs some),
+   the curve in ``report.json``, and the trained tensors at full rank in int8 (another export later).
 
     python3 scripts/device_train.py --gguf G --out OUT --budget-s 540
 """
@@ -324,8 +325,7 @@ def main() -> int:
                            "tok_s": round(st.tokens_seen / max(elapsed, 1e-9)), "lr": args.lr,
                            "batch_size": args.batch_size, "max_steps": cfg.max_steps}
         lines.append({"step": st.step, "tokens_seen": st.tokens_seen, "eval": trainer.heldout_agreement()})
-        (args.out / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [
-            {"step": 0, "tokens_seen": 0, "eval": report["init"]["wide64"]}, *lines]))
+        report["log"] = [{"step": 0, "tokens_seen": 0, "eval": report["init"]["wide64"]}, *lines]  # the curve
         report["final"] = agreement(trainer, {"wide64": held["wide"][:64], **held}, [2, 3, 4], 64)
         log(f"final agreement {report['final']}")
         save_report()
@@ -342,6 +342,30 @@ def main() -> int:
             for k in range(0, len(data), 15 << 20):
                 (args.out / f"{f.name}.part{k // (15 << 20)}").write_bytes(data[k: k + (15 << 20)])
         log("exported")
+        # the trained tensors at full rank, int8 with a scale per row (~28 MB: another export later, at another
+        # rank or format, without training again); not a variant file
+        from safetensors.torch import save_file
+
+        full: dict[str, torch.Tensor] = {}
+        for n, t in trainer.params.items():
+            t = t.detach().float().cpu()
+            if t.dim() == 2:
+                d = t.abs().amax(-1).clamp(min=1e-30) / 127.0
+                full[n + ".q"] = torch.round(t / d.unsqueeze(-1)).to(torch.int8).contiguous()
+                full[n + ".d"] = d.contiguous()
+            else:
+                full[n] = t.contiguous()
+        save_file(full, str(args.work / "trained-int8.safetensors"), metadata={"base_fingerprint": fp})
+        data = (args.work / "trained-int8.safetensors").read_bytes()
+        for k in range(0, len(data), 15 << 20):
+            (args.out / f"trained-int8.safetensors.part{k // (15 << 20)}").write_bytes(data[k: k + (15 << 20)])
+        # what the export's rank-128 truncation costs: the exported variant evaluated like the trained weights
+        with torch.no_grad():
+            exported = trainer._variant_tensors(vdir)  # noqa: SLF001 - the trainer's own variant reader
+            for n, t in trainer.params.items():
+                t.copy_(exported[n])
+        report["exported"] = agreement(trainer, {"wide64": held["wide"][:64], **held}, [2, 3, 4], 64)
+        log(f"exported variant's agreement {report['exported']}")
     except BaseException:
         report["error"] = traceback.format_exc()
         log(report["error"])
