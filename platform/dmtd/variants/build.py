@@ -163,7 +163,8 @@ def apply_adapter(loaded: LoadedModel, manifest: VariantManifest, path: Path) ->
     with torch.no_grad():
         for name in names:
             w = own[name]
-            w.copy_(merge_lora(w, tensors[name + LORA_A].to(w.dtype), tensors[name + LORA_B].to(w.dtype), scale))
+            a, b = (tensors[name + k].to(device=w.device, dtype=w.dtype) for k in (LORA_A, LORA_B))
+            w.copy_(merge_lora(w, a, b, scale))  # the model may live on a GPU (training there)
     return set(names)
 
 
