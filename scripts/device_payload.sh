@@ -21,6 +21,13 @@ g=$("$py" -c "from dmtd.variants.smollm2 import gguf_path; print(gguf_path())")
 xz -T2 -6 -c "$g" > "$w/gguf.xz"
 (cd "$w" && tar cf payload.tar $(ls *.whl) gguf.xz)   # wheels first: the first part alone unpacks them
 size=$(stat -c %s "$w/payload.tar"); part=$(( (size + n - 1) / n ))
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb | tail -1 | cut -f1)
+room=$(( (64 << 20) - tree ))
+echo "payload $size bytes in $n parts of <= $part; working tree $tree bytes; a call carries <= $room"
+if [ "$part" -gt "$room" ]; then
+  echo "a part does not fit beside the working tree: run again with more parts" >&2
+  exit 2
+fi
 rm -rf .dev[0-9]*
 for i in $(seq 1 "$n"); do
   mkdir -p ".dev$i"
@@ -28,7 +35,5 @@ for i in $(seq 1 "$n"); do
      count="$part" status=none
 done
 sha=$(sha256sum "$w/payload.tar" | cut -d' ' -f1)
-tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb | tail -1 | cut -f1)
-echo "payload $size bytes in $n parts of <= $part; working tree $tree bytes; a call carries <= $(( (64 << 20) - tree ))"
 echo "SHA-256 $sha"
 echo "last call: bash scripts/device_train.sh $sha \$OUT $(for i in $(seq 1 "$n"); do printf '.dev%s/p ' "$i"; done)-- --budget-s 540"
