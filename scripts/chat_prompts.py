@@ -39,6 +39,22 @@ def words(text: str) -> set[str]:
     return set(re.findall(r"[a-z]+", text.lower()))
 
 
+def dropped_for(num_ids: int, finished: bool, req: str, seen: set[str]) -> str | None:
+    """Why a sampled request is dropped (``unfinished``, ``length``, ``duplicate``, ``topic``), or None to keep it
+    (then it is added to ``seen``)."""
+    key = " ".join(req.lower().split())
+    if not finished:
+        return "unfinished"
+    if not 4 <= num_ids <= 60 or "<|" in req or not req:
+        return "length"
+    if key in seen:
+        return "duplicate"
+    if words(req) & BANNED:
+        return "topic"
+    seen.add(key)
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num", type=int, default=3000, help="prompts to keep")
@@ -69,19 +85,11 @@ def main() -> int:
         n += args.batch_size
         for res in engine.generate([list(pre_query)] * args.batch_size, params):
             ids = [t for t in res.token_ids if t != end_id]
-            if res.finish_reason != "stop":
-                dropped["unfinished"] += 1
-                continue
             req = tok.decode(ids, skip_special_tokens=True).strip()
-            key = " ".join(req.lower().split())
-            if not 4 <= len(ids) <= 60 or "<|" in req or not req:
-                dropped["length"] += 1
-            elif key in seen:
-                dropped["duplicate"] += 1
-            elif words(req) & BANNED:
-                dropped["topic"] += 1
+            why = dropped_for(len(ids), res.finish_reason == "stop", req, seen)
+            if why is not None:
+                dropped[why] += 1
             else:
-                seen.add(key)
                 kept.append(req)
                 bar.update(1)
             if len(kept) >= args.num:

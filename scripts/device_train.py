@@ -127,7 +127,7 @@ class Generator:
 
 def magpie_prompts(gen: Generator, num: int, batch: int, deadline: float) -> list[list[int]]:
     """Chat-style requests written by the base (scripts/chat_prompts.py's recipe and filter), as prompt ids."""
-    from chat_prompts import BANNED, SENTINEL, words
+    from chat_prompts import SENTINEL, dropped_for
 
     tok = gen.tok
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
@@ -140,11 +140,8 @@ def magpie_prompts(gen: Generator, num: int, batch: int, deadline: float) -> lis
         for ids, why in gen.run([pre] * batch, 64, 1.0, 10**6 + k, stop=end_id):
             ids = [t for t in ids if t != end_id]
             req = tok.decode(ids, skip_special_tokens=True).strip()
-            key = " ".join(req.lower().split())
-            if why != "stop" or not 4 <= len(ids) <= 60 or "<|" in req or not req or key in seen \
-                    or words(req) & BANNED:
+            if dropped_for(len(ids), why == "stop", req, seen) is not None:
                 continue
-            seen.add(key)
             r = tok.apply_chat_template([{"role": "user", "content": req}], add_generation_prompt=True,
                                         tokenize=True)
             out.append(list(r["input_ids"] if hasattr(r, "keys") else r))

@@ -31,7 +31,6 @@ def test_cuda_matches_cpu(tau):
 
 def test_the_shipped_variant_loads_onto_the_gpu_as_on_the_cpu():
     """A variant's adapter merges into a model on the GPU (training there starts from it) to the CPU's tensors."""
-    from dmtd.train.trainer import dmtd_of_split  # noqa: F401 - the training stack imports on this machine
     from dmtd.variants.build import apply_variant_weights
     from dmtd.variants.loader import load_model
     from dmtd.variants.manifest import read_manifest

@@ -204,8 +204,7 @@ class LLMEngine:
         measuring, where one more could pay at all (``worth_exploring``)."""
         if not self.cfg.adaptive_drafts:
             return
-        seq.draft_target = None
-        most, batch = seq.max_drafts(self.cfg.max_model_len), len(self.scheduler.running)
+        most, batch = seq.draft_room(self.cfg.max_model_len), len(self.scheduler.running)
         best = best_num_drafts(most, batch, self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
         explore = (seq.num_heads + 1) % 8 == 0 and worth_exploring(best, most, batch, self.pass_costs,
                                                                    seq.accepted_by_pos, seq.drafted_by_pos)
@@ -218,10 +217,8 @@ class LLMEngine:
         wider rows; their acceptance is counted apart (per request, per position, from the same prior)."""
         if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.drafts:
             return
-        left = seq.params.max_new_tokens - seq.num_generated
         # τ bounds a block whoever drafts it (τ = 1: the verifier alone; the controller's fill ratio k / τ)
-        most = min(context_drafts.MAX_CONTEXT_DRAFTS, seq.cycle_len - 1, left - 1,
-                   self.cfg.max_model_len - len(seq.token_ids))
+        most = min(context_drafts.MAX_CONTEXT_DRAFTS, seq.draft_room(self.cfg.max_model_len))
         batch, costs = len(self.scheduler.running), self.pass_costs
         tails = 0 if seq.draft_done else seq.max_drafts(self.cfg.max_model_len)
         bar = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)

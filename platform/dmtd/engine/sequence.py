@@ -145,11 +145,15 @@ class Sequence:
         """Position the next draft step feeds (verified cycles)."""
         return len(self.token_ids) - 1 + len(self.drafts)
 
-    def max_drafts(self, max_model_len: int) -> int:
-        """Drafts worth making this cycle: τ − 1, bounded so the check fits the budget and the context."""
+    def draft_room(self, max_model_len: int) -> int:
+        """Drafts a cycle may check, whoever makes them: τ − 1, bounded so the check fits the budget and the context."""
         left = self.params.max_new_tokens - self.num_generated
-        most = self.cycle_len - 1 if self.draft_target is None else min(self.cycle_len - 1, self.draft_target)
-        return max(0, min(most, left - 1, max_model_len - len(self.token_ids)))
+        return max(0, min(self.cycle_len - 1, left - 1, max_model_len - len(self.token_ids)))
+
+    def max_drafts(self, max_model_len: int) -> int:
+        """Tail drafts worth making this cycle: :meth:`draft_room`, at most the policy's ``draft_target``."""
+        room = self.draft_room(max_model_len)
+        return room if self.draft_target is None else min(room, self.draft_target)
 
     def context_continuation(self, k: int, n: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last ``n`` tokens (prompt
