@@ -5,10 +5,11 @@ prompt, the τ = 1 run and each configuration on one engine, greedy, up to 96 ne
 
     .venv/bin/python scripts/exact_chats.py --configs a3:0,f2:0 --dtype bfloat16 --draft-quants auto,none
 
-A configuration is ``<a|s|t|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
+A configuration is ``<a|s|t|n|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
 ``s`` adaptive with the drafts scoring the draft vocabulary alone (``EngineConfig.context_vocab`` off: not the
 prompt's and the answer's own ids outside it), ``t`` adaptive with the tails' drafts only
-(``EngineConfig.context_drafts`` off: no prompt-lookup cycles), ``f`` fixed (up to τ − 1 drafts a cycle, tails
+(``EngineConfig.context_drafts`` off: no prompt-lookup or phrase-table cycles), ``n`` adaptive without the variant's
+phrase table (``EngineConfig.phrase_drafts`` off), ``f`` fixed (up to τ − 1 drafts a cycle, tails
 only). Each prompt runs its configurations right after its own τ = 1 run, so machine drift between prompts cancels in
 the ratios; ``--rounds`` repeats the whole sweep.
 """
@@ -56,7 +57,8 @@ def main() -> None:
     modes = sorted({c[0] for c in args.configs.split(",")} | {"f"})
     engines = {(v, a, dq): build_engine(specs[v], dataclasses.replace(cfg, adaptive_drafts=a != "f",
                                                                       context_vocab=a != "s", draft_quant=dq,
-                                                                      context_drafts=a != "t"))
+                                                                      context_drafts=a != "t",
+                                                                      phrase_drafts=a != "n"))
                for v in variants for a in modes for dq in dqs}
     configs = [(c + (f"/{dq}" if len(dqs) > 1 else "") + (f"@{Path(v).name}" if len(variants) > 1 else ""),
                 (v, c[0], dq), int(c[1:].split(":")[0]), float(c.split(":")[1]))

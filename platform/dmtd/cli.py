@@ -74,8 +74,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    "'fixed' drafts up to τ − 1 each cycle (stopping at --min-confidence)")
     p.add_argument("--no-context-drafts", action="store_true",
                    help="exact profile, adaptive drafts, greedy: tails only; by default a cycle may instead check the "
-                   "tokens that followed an earlier occurrence of the context's last 3 tokens (prompt lookup), "
-                   "where the policy expects more tokens per cost of it")
+                   "tokens that followed an earlier occurrence of the context's last 3 tokens (prompt lookup) or "
+                   "the variant's phrase table's, or go on from the tails' drafts with the table's, where the "
+                   "policy expects more tokens per cost of it")
+    p.add_argument("--no-phrase-drafts", action="store_true",
+                   help="as the default, without the variant's phrase table (prompt lookup and tails only)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default unless --temperature)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -187,6 +190,12 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     return run_draft_vocab(args)
 
 
+def cmd_phrase_table(args: argparse.Namespace) -> int:
+    from dmtd.train.phrase_table import run_phrase_table
+
+    return run_phrase_table(args)
+
+
 def bench_autoscale(argv: list[str]) -> int:
     """``dmtd bench autoscale``: the operator's simulator (``python -m dmtd_operator.simulate``), which owns
     its own flags. A separate process: the platform does not import the operator (import-linter)."""
@@ -251,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "into a variant (verified cycles)")
     add_draft_vocab_args(dv)
     dv.set_defaults(func=cmd_draft_vocab)
+    from dmtd.train.phrase_table import add_phrase_table_args
+
+    pt = sub.add_parser("phrase-table", help="the next token the corpora's answers put after 3-token contexts; "
+                        "write it into a variant (drafts of greedy exact requests)")
+    add_phrase_table_args(pt)
+    pt.set_defaults(func=cmd_phrase_table)
     return parser
 
 

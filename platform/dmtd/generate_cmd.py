@@ -55,7 +55,8 @@ def generate(args: argparse.Namespace) -> int:
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
                                              quant=quant, adaptive_drafts=args.drafts == "adaptive",
-                                             context_drafts=not args.no_context_drafts))
+                                             context_drafts=not args.no_context_drafts,
+                                             phrase_drafts=not args.no_phrase_drafts))
     tau = args.tau if args.tau is not None else spec.default_tau
     profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(

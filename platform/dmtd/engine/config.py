@@ -200,6 +200,8 @@ class EngineConfig:
     # occurrence of the context's last few tokens instead of the tails' drafts, where the policy expects more of it
     # (dmtd.engine.llm.LLMEngine._context_drafts)
     context_drafts: bool = True
+    # with context_drafts: the variant's phrase table (dmtd.engine.phrase_table) is one more such source
+    phrase_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

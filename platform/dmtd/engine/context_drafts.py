@@ -1,17 +1,19 @@
 """Context drafts of verified cycles (prompt lookup): a cycle's drafts may be the tokens that followed the latest
-earlier occurrence of the context's last few tokens, where the draft policy expects more tokens per cost of them than
-of the tails' drafts. Torch-free; the engine (dmtd.engine.llm) calls these at each head."""
+earlier occurrence of the context's last few tokens, or the variant's phrase table's continuation of them, where the
+draft policy expects more tokens per cost of them than of the tails' drafts; the table may also go on from the tails'
+drafts. Torch-free; the engine (dmtd.engine.llm) calls these at each head."""
 
 from __future__ import annotations
 
 from dmtd.engine.draft_policy import PassCosts, acceptance_by_pos, count_cycle, expected_tokens
+from dmtd.engine.phrase_table import PhraseTable
 from dmtd.engine.sequence import CONTEXT_NGRAMS, Sequence
 
 # context drafts a cycle at most: a check of 4 positions is one pass over the weights on AVX2 (4 rows a pass; 5
 # positions cost ~1.8 plain steps, 4 ~1.3, 2 ~1.05); a longer repeat is taken over several cycles
 MAX_CONTEXT_DRAFTS = 3
 
-# n → (drafted, accepted) by position over an engine's requests
+# source (n, or the phrase table's band) → (drafted, accepted) by position over an engine's requests
 Counts = dict[int, tuple[list[int], list[int]]]
 
 
@@ -20,19 +22,28 @@ def _less(counts: list[int], mine: list[int]) -> list[int]:
     return [max(0, x - (mine[j] if j < len(mine) else 0)) for j, x in enumerate(counts)]
 
 
+def candidates(seq: Sequence, most: int, table: PhraseTable | None) -> list[tuple[int, list[int]]]:
+    """(source, up to ``most`` tokens) a cycle could draft without the tails: the prompt's and answer's own
+    continuation of their last n tokens (source n, n in CONTEXT_NGRAMS), the variant's phrase table's (a
+    negative source: its share band)."""
+    out = [(n, seq.context_continuation(most, n)) for n in CONTEXT_NGRAMS]
+    if table is not None:
+        cont, source = table.continuation(seq.token_ids, most)
+        if cont:
+            out.append((source, cont))
+    return out
+
+
 def choose(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, bar: float, most: int,
-           eos_ids: set[int]) -> tuple[list[int], int]:
-    """The context continuation (up to ``most`` tokens) and its n with the most expected tokens per check cost, if
-    that beats ``bar`` (the tails' best rate); else ``([], 0)``. A request's own acceptance by position (per n) is
-    smoothed toward what the engine saw on its other requests (``seen``, this one's counts taken out)."""
+           eos_ids: set[int], table: PhraseTable | None = None) -> tuple[list[int], int]:
+    """The continuation (up to ``most`` tokens, of the context or the phrase table) and its source with the most
+    expected tokens per check cost, if that beats ``bar`` (the tails' best rate); else ``([], 0)``. A request's own
+    acceptance by position (per source) is smoothed toward what the engine saw on its other requests (``seen``,
+    this one's counts taken out)."""
     pick: list[int] = []
     best, ngram = bar, 0
-    for n in CONTEXT_NGRAMS:
-        cont = seq.context_continuation(most, n)
-        for j, t in enumerate(cont):  # nothing past a stop token: it would end the request
-            if t in seq.params.stop_token_ids or (not seq.params.ignore_eos and t in eos_ids):
-                cont = cont[: j + 1]
-                break
+    for n, cont in candidates(seq, most, table):
+        cont = until_stop(seq, cont, eos_ids)
         drafted, accepted = seq.context_by_pos.get(n, ([], []))
         seen_d, seen_a = seen.get(n, ([], []))
         prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
@@ -41,6 +52,36 @@ def choose(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, bar: float
             if rate > best:
                 pick, best, ngram = cont[:m], rate, n
     return pick, ngram
+
+
+def until_stop(seq: Sequence, cont: list[int], eos_ids: set[int]) -> list[int]:
+    """``cont`` up to its first stop token (kept: it ends the request; nothing after it is worth checking)."""
+    for j, t in enumerate(cont):
+        if t in seq.params.stop_token_ids or (not seq.params.ignore_eos and t in eos_ids):
+            return cont[: j + 1]
+    return cont
+
+
+def extension(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, cont: list[int], source: int) -> list[int]:
+    """How much of ``cont`` (the phrase table's continuation of the tails' drafts) to check after them: the prefix
+    with the most expected tokens per cycle cost, if that beats the tails' drafts alone, else none. The tokens
+    count only where every tail draft is accepted; they cost the check's wider rows, no pass."""
+    m = len(seq.drafts)
+    reach = 1.0
+    for a in acceptance_by_pos(seq.accepted_by_pos, seq.drafted_by_pos, m):
+        reach *= a
+    tokens, cost = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, m), costs.cycle_cost(batch, m)
+    drafted, accepted = seq.context_by_pos.get(source, ([], []))
+    seen_d, seen_a = seen.get(source, ([], []))
+    prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
+    pick: list[int] = []
+    best = tokens / cost
+    for j in range(1, len(cont) + 1):
+        more = reach * (expected_tokens(accepted, drafted, j, prior) - 1)
+        rate = (tokens + more) / (cost + costs.check_cost(batch, m + j) - costs.check_cost(batch, m))
+        if rate > best:
+            pick, best = cont[:j], rate
+    return pick
 
 
 def count(seen: Counts, n: int, drafted: int, accepted: int) -> None:

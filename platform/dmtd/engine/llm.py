@@ -14,6 +14,7 @@ import torch
 from dmtd.engine import context_drafts
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.context_drafts import until_stop
 from dmtd.engine.draft_policy import (
     STEADY_CATCH_UP,
     TAIL_PASS_OVERHEAD,
@@ -24,6 +25,7 @@ from dmtd.engine.draft_policy import (
 )
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
+from dmtd.engine.phrase_table import PhraseTable, extension_source
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
 from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
@@ -43,7 +45,7 @@ class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Any, dmtd: DMTDConfig,
                  cfg: EngineConfig | None = None, default_cycle_len: int | None = None,
                  eos_token_ids: list[int] | None = None, verifier: Verifier | None = None,
-                 draft_vocab: list[int] | None = None) -> None:
+                 draft_vocab: list[int] | None = None, phrase_table: PhraseTable | None = None) -> None:
         self.cfg = cfg or EngineConfig()
         self.dmtd = dmtd
         self.tokenizer = tokenizer
@@ -64,6 +66,10 @@ class LLMEngine:
         # context drafts by n over every request so far, (drafted, accepted) by position: a new request's prior (a
         # 2-token match that is right 1 time in 6 should not be tried a dozen times on every request to learn it)
         self.context_by_pos: context_drafts.Counts = {}
+        if phrase_table is not None and phrase_table.vocab_size != model.config.vocab_size:
+            raise ValueError(f"phrase_table: made for a vocabulary of {phrase_table.vocab_size}, the model has "
+                             f"{model.config.vocab_size}")
+        self.phrase_table = phrase_table if self.cfg.phrase_drafts else None
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -222,9 +228,27 @@ class LLMEngine:
         batch, costs = len(self.scheduler.running), self.pass_costs
         tails = 0 if seq.draft_done else seq.max_drafts(self.cfg.max_model_len)
         bar = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
-        pick, n = context_drafts.choose(seq, self.context_by_pos, costs, batch, bar, most, self.eos_ids)
+        pick, n = context_drafts.choose(seq, self.context_by_pos, costs, batch, bar, most, self.eos_ids,
+                                        self.phrase_table)
         if pick:
             seq.drafts, seq.draft_done, seq.context_ngram = pick, True, n
+
+    def _extend_drafts(self, seq: Sequence) -> None:
+        """With a phrase table (and context drafts on): the tails' finished drafts go on with the table's
+        continuation of them, as far as the check's wider rows pay for the tokens they are expected to add."""
+        if self.phrase_table is None or not (self.cfg.context_drafts and self.cfg.adaptive_drafts
+                                             and seq.params.greedy) or not seq.drafts:
+            return
+        room = seq.draft_room(self.cfg.max_model_len) - len(seq.drafts)
+        if room <= 0 or until_stop(seq, seq.drafts, self.eos_ids) != seq.drafts:
+            return  # no room, or the tails drafted a stop token
+        cont, band = self.phrase_table.continuation(seq.token_ids + seq.drafts, room)
+        source = extension_source(band)
+        pick = context_drafts.extension(seq, self.context_by_pos, self.pass_costs, len(self.scheduler.running),
+                                        until_stop(seq, cont, self.eos_ids), source)
+        if pick:
+            seq.drafts += pick
+            seq.num_extended, seq.extension_source = len(pick), source
 
     def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
@@ -251,6 +275,9 @@ class LLMEngine:
             self._draft_q.setdefault(seqs[i].req_id, []).append(d.q[i])
         self.scheduler.postprocess_drafts([seqs[i] for i in keep], [d.tokens[i] for i in keep],
                                           [d.confidences[i] for i in keep], self.eos_ids)
+        for i in keep:
+            if seqs[i].draft_done:
+                self._extend_drafts(seqs[i])
         if catch_up <= STEADY_CATCH_UP:  # a resuming pass is no draft's steady cost: counted, it kept a request that
             # had stopped drafting from ever resuming
             self.pass_costs.observe_draft(len(seqs), time.perf_counter() - t0 if since is not None else dt,
@@ -270,6 +297,7 @@ class LLMEngine:
                 results += self._fail([s])
                 continue
             generated, context = s.num_generated, s.context_ngram
+            tails, extended, ext_source = m - s.num_extended, s.num_extended, s.extension_source
             self._choose_drafts(s)  # before the check is applied: it decides from the new target whether to draft
             events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)
             for j, ev in enumerate(events):
@@ -279,25 +307,34 @@ class LLMEngine:
                     if j < len(events) - 1:  # a stop string ended the block early: it holds what was emitted
                         del s.token_ids[s.prompt_len + generated + j + 1:]
                         o.block, o.block_confidences = c.tokens[: j + 1], c.confidences[: j + 1]
-                        self._unaccept(s, c.num_accepted, j + 1, context)
+                        self._unaccept(s, c.num_accepted, j + 1, context, tails, ext_source)
                     break
             last, accepted = results[-1], min(c.num_accepted, len(results[-1].block or []))
             last.num_drafted, last.num_accepted = m, accepted
             if context:
                 last.num_context_drafted, last.num_context_accepted = m, accepted
                 context_drafts.count(self.context_by_pos, context, m, accepted)
+            elif extended:
+                last.num_context_drafted, last.num_context_accepted = extended, max(0, accepted - tails)
+                if accepted >= tails:
+                    context_drafts.count(self.context_by_pos, ext_source, extended, accepted - tails)
             if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
                 self._context_drafts(s)
         self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
         return results
 
     @staticmethod
-    def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int, context: int) -> None:
-        """Accepted drafts past a stop string were never emitted: count only those that were."""
+    def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int, context: int, tails: int,
+                  ext_source: int) -> None:
+        """Accepted drafts past a stop string were never emitted: count only those that were (``tails``: the
+        cycle's tail drafts, the phrase table's after them counted under ``ext_source``)."""
         for j in range(num_emitted, num_accepted):
             seq.num_accepted -= 1
             if context:
                 seq.context_by_pos[context][1][j] -= 1
+                seq.num_context_accepted -= 1
+            elif j >= tails:
+                seq.context_by_pos[ext_source][1][j - tails] -= 1
                 seq.num_context_accepted -= 1
             else:
                 seq.accepted_by_pos[j] -= 1

@@ -196,10 +196,16 @@ class Scheduler:
             seq.num_context_drafted += m
             seq.num_context_accepted += num_accepted
             drafted, accepted = seq.context_by_pos.setdefault(seq.context_ngram, ([], []))
-        else:
-            drafted, accepted = seq.drafted_by_pos, seq.accepted_by_pos
-        count_cycle(drafted, accepted, m, num_accepted)
-        seq.drafts, seq.draft_done, seq.context_ngram = [], False, 0
+            count_cycle(drafted, accepted, m, num_accepted)
+        else:  # the tails' drafts, then the phrase table's going on from them (counted where all tails' were right)
+            t, e = m - seq.num_extended, seq.num_extended
+            count_cycle(seq.drafted_by_pos, seq.accepted_by_pos, t, min(num_accepted, t))
+            seq.num_context_drafted += e
+            if e and num_accepted >= t:
+                seq.num_context_accepted += num_accepted - t
+                drafted, accepted = seq.context_by_pos.setdefault(seq.extension_source, ([], []))
+                count_cycle(drafted, accepted, e, num_accepted - t)
+        seq.drafts, seq.draft_done, seq.context_ngram, seq.num_extended = [], False, 0, 0
         events = []
         for j, (tok, conf) in enumerate(zip(tokens, confidences)):
             is_head = j == len(tokens) - 1

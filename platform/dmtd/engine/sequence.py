@@ -104,11 +104,17 @@ class Sequence:
     drafted_by_pos: list[int] = field(default_factory=list)  # per tail position within a cycle
     accepted_by_pos: list[int] = field(default_factory=list)
     # context drafts (exact profile, greedy): this cycle's drafts repeat what followed the latest earlier occurrence
-    # of the context's last n tokens (prompt lookup; n in CONTEXT_NGRAMS) instead of coming from the tails
-    context_ngram: int = 0  # n of this cycle's context drafts; 0: the tails' drafts
-    num_context_drafted: int = 0
+    # of the context's last n tokens (prompt lookup; n in CONTEXT_NGRAMS), or the variant's phrase table's tokens
+    # after them (dmtd.engine.phrase_table), instead of coming from the tails
+    # source of this cycle's context drafts: n (prompt lookup), < 0 the phrase table's band; 0: the tails'
+    context_ngram: int = 0
+    # the phrase table's drafts appended to this cycle's tail drafts (dmtd.engine.context_drafts.extension), and
+    # their source (dmtd.engine.phrase_table.extension_source): the last num_extended of drafts
+    num_extended: int = 0
+    extension_source: int = 0
+    num_context_drafted: int = 0  # every draft not from the tails (prompt lookup, the phrase table)
     num_context_accepted: int = 0
-    context_by_pos: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # n → (drafted, accepted)
+    context_by_pos: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # source → (drafted, accepted)
     ngram_ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram → index of its latest last token
     ngram_indexed: int = 0  # the n-grams ending before this index are in ngram_ends
     finish_reason: str | None = None

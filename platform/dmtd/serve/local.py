@@ -54,7 +54,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "where none does) or 'fixed' (up to τ − 1 a cycle)")
     p.add_argument("--no-context-drafts", action="store_true",
                    help="exact greedy requests draft with the tails only; by default a cycle may instead check the "
-                   "tokens that followed an earlier occurrence of the context's last few tokens, where that pays")
+                   "tokens that followed an earlier occurrence of the context's last few tokens, or the variant's "
+                   "phrase table's, where that pays")
     p.add_argument("--block-push", default=None, metavar="auto|off|ADDRESS",
                    help="replicas push blocks straight to a TCP sink of the gateway (default auto: on loopback when "
                    "the gateway is); off: blocks travel as items of the Serve call, gathered by --stream-interval-ms")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +208,8 @@ class Corpus:
 
 
 def load_corpus(root: Path, require_complete: bool = False, vocab_size: int | None = None) -> Corpus:
-    """Read and verify every shard against its recorded SHA-256 (and token ids against ``vocab_size``)."""
+    """Read and verify every shard (plain, or a mirror's xz-compressed one) against its recorded SHA-256 (and token
+    ids against ``vocab_size``)."""
     root = Path(root).expanduser()
     m = read_manifest(root)
     if require_complete and not m.complete:
@@ -216,10 +218,16 @@ def load_corpus(root: Path, require_complete: bool = False, vocab_size: int | No
         raise CorpusError(f"corpus {str(root)!r} has no finished shards yet")
     records: list[Record] = []
     for s in m.shards:
-        path = root / s.name
-        if not path.is_file():
+        path, packed = root / s.name, root / (s.name + ".xz")
+        if path.is_file():
+            data = path.read_bytes()
+        elif packed.is_file():  # a mirror (the repository's corpora): xz-compressed shards, the same hashes
+            try:
+                data = lzma.decompress(packed.read_bytes())
+            except (OSError, lzma.LZMAError) as e:
+                raise CorpusError(f"corpus {str(root)!r}: shard {packed.name} cannot be read ({e})") from e
+        else:
             raise CorpusError(f"corpus {str(root)!r}: shard {s.name} is missing")
-        data = path.read_bytes()
         if sha256_bytes(data) != s.sha256:
             raise CorpusError(f"corpus {str(root)!r}: shard {s.name} is corrupted (SHA-256 mismatch)")
         records += parse_records(data, str(path))

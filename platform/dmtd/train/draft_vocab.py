@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,14 @@ from safetensors.torch import save_file
 
 from dmtd.engine.config import ModelConfig, layer_bytes, lm_head_bytes
 from dmtd.train.corpus import load_corpus
-from dmtd.variants.manifest import MANIFEST_NAME, ManifestError, VariantManifest, read_manifest, sha256_file
+from dmtd.variants.manifest import (
+    MANIFEST_NAME,
+    ManifestError,
+    VariantManifest,
+    read_manifest,
+    sha256_file,
+    update_manifest,
+)
 
 FILE_NAME = "draft_vocab.safetensors"
 
@@ -96,9 +102,4 @@ def write_draft_vocab(mpath: Path, manifest: VariantManifest, ids: list[int], co
     digest = hashlib.sha256(json.dumps(sorted(counts.items())).encode()).hexdigest()
     meta = {"format": "dmtd-draft-vocab-v1", "counts_sha256": digest, "coverage": f"{coverage(counts, ids):.4f}"}
     save_file({"token_ids": torch.tensor(ids, dtype=torch.int32)}, str(path), metadata=meta)
-    data = manifest.model_dump(mode="json", exclude_none=True)
-    data.update(draft_vocab=FILE_NAME, draft_vocab_sha256=sha256_file(path))
-    new = VariantManifest.model_validate(data)
-    tmp = mpath.with_name(f".{mpath.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(new.model_dump(mode="json", exclude_none=True), indent=1) + "\n")
-    os.replace(tmp, mpath)
+    update_manifest(mpath, manifest, draft_vocab=FILE_NAME, draft_vocab_sha256=sha256_file(path))

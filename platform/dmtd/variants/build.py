@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.model import LayerWeights
+from dmtd.engine.phrase_table import PHRASE_TABLE_FORMAT, PhraseTable
 from dmtd.engine.verifier import Verifier, own_verifier, snapshot_decoding_layers
 from dmtd.variants.loader import LoadedModel, load_model
 from dmtd.variants.manifest import (
@@ -49,6 +50,7 @@ class EngineSpec:
     variant: VariantManifest | None
     verifier: Verifier | None = None  # None: the model verifies itself
     draft_vocab: list[int] | None = None
+    phrase_table: PhraseTable | None = None
 
     @property
     def draft_threshold(self) -> float:
@@ -124,6 +126,29 @@ def read_draft_vocab(manifest: VariantManifest, root: Path) -> list[int] | None:
     except (SafetensorError, OSError, KeyError) as e:
         raise ManifestError(f"variant {manifest.name!r}: draft_vocab {str(path)!r} holds no token_ids tensor") from e
     return [int(t) for t in ids.tolist()]
+
+
+def read_phrase_table(manifest: VariantManifest, root: Path, vocab_size: int) -> PhraseTable | None:
+    """The variant's phrase table (dmtd.engine.phrase_table), checked against its hash and the base model's
+    vocabulary (``vocab_size``)."""
+    if manifest.phrase_table is None:
+        return None
+    path = _checked_file(manifest, root, manifest.phrase_table, manifest.phrase_table_sha256, "phrase_table")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            keys, nxt, share = (f.get_tensor(k).tolist() for k in ("keys", "next", "share"))
+    except (SafetensorError, OSError, KeyError) as e:
+        raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} is not a {PHRASE_TABLE_FORMAT} "
+                            f"file ({e})") from e
+    vocab = int(meta["vocab_size"]) if str(meta.get("vocab_size", "")).isdigit() else None
+    if meta.get("format") != PHRASE_TABLE_FORMAT or vocab is None or not len(keys) == len(nxt) == len(share):
+        raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} is not a {PHRASE_TABLE_FORMAT} "
+                            "file (format, vocab_size, keys / next / share of one length)")
+    if vocab != vocab_size:
+        raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} was made for a vocabulary of "
+                            f"{vocab}, the base model's is {vocab_size}")
+    return PhraseTable(vocab, {k: (t, p) for k, t, p in zip(keys, nxt, share)})
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -224,7 +249,8 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
             raise ManifestError(f"variant {manifest.name!r}: verifier is {manifest.verifier!r} in the manifest, but "
                                 f"its tensors make it {verifier.name!r} (base: changes only in the decoding group)")
         return EngineSpec(loaded, dmtd, manifest.default_tau, manifest.min_confidence, manifest, verifier,
-                          read_draft_vocab(manifest, root))
+                          read_draft_vocab(manifest, root),
+                          read_phrase_table(manifest, root, loaded.config.vocab_size))
     loaded = load_model(model, dtype=dtype, device=device)
     if loaded.dmtd is not None and decoding_layers is None:  # a DMTD checkpoint verifies with its τ = 1 path
         return EngineSpec(loaded, loaded.dmtd, loaded.dmtd.tau_max, 0.0, None, own_verifier(loaded.dmtd, False))
@@ -235,7 +261,8 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
 
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
     return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_cycle_len=spec.default_tau,
-                     verifier=spec.verifier, draft_vocab=spec.draft_vocab)
+                     verifier=spec.verifier, draft_vocab=spec.draft_vocab,
+                     phrase_table=spec.phrase_table)
 
 
 def variant_precision(variant: str | None, dtype: str | None, quant: str | None, device: str,

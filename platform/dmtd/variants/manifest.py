@@ -64,6 +64,10 @@ class VariantManifest(BaseModel):
     draft_vocab: str | None = Field(None, description="safetensors file (tensor token_ids) of the restricted tail "
                                     "vocabulary, relative to the manifest; None = the full vocabulary")
     draft_vocab_sha256: str | None = Field(None, description="SHA-256 of the draft_vocab file")
+    phrase_table: str | None = Field(None, description="safetensors file of the phrase table (the corpus answers' "
+                                     "next token after 3-token contexts: drafts of greedy exact requests), "
+                                     "relative to the manifest; None = no table")
+    phrase_table_sha256: str | None = Field(None, description="SHA-256 of the phrase_table file")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="recommended precision: 'auto' = bfloat16 on a CPU with AVX-512 or AVX2, else float32")
     quant: Literal["none", "int8", "int4"] = Field("none", description="recommended weight-only quantisation")
@@ -78,6 +82,8 @@ class VariantManifest(BaseModel):
             raise ValueError("adapter and adapter_sha256 must be given together")
         if (self.draft_vocab is None) != (self.draft_vocab_sha256 is None):
             raise ValueError("draft_vocab and draft_vocab_sha256 must be given together")
+        if (self.phrase_table is None) != (self.phrase_table_sha256 is None):
+            raise ValueError("phrase_table and phrase_table_sha256 must be given together")
         return self
 
     def dmtd_config(self) -> DMTDConfig:
@@ -153,3 +159,14 @@ def read_manifest(path: Path) -> VariantManifest:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"]) or "manifest"
         raise ManifestError(f"{path}: {loc}: {first['msg']}") from e
+
+
+def update_manifest(mpath: Path, manifest: VariantManifest, **fields: Any) -> VariantManifest:
+    """``manifest`` with ``fields`` set, validated, then written over ``mpath`` atomically (never half-written)."""
+    data = manifest.model_dump(mode="json", exclude_none=True)
+    data.update(fields)
+    new = VariantManifest.model_validate(data)
+    tmp = mpath.with_name(f".{mpath.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(new.model_dump(mode="json", exclude_none=True), indent=1) + "\n")
+    os.replace(tmp, mpath)
+    return new
