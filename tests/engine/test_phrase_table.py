@@ -9,7 +9,7 @@ from dmtd.engine.config import EngineConfig
 from dmtd.engine.context_drafts import extension
 from dmtd.engine.draft_policy import PassCosts
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.phrase_table import SOURCES, PhraseTable, extension_source
+from dmtd.engine.phrase_table import LONG_HIGH, LONG_LOW, SHORT, SOURCES, PhraseTable, extension_source
 from dmtd.engine.sequence import SamplingParams, Sequence
 from dmtd.train.corpus import Record
 from dmtd.train.phrase_table import build
@@ -26,18 +26,24 @@ def table_of(answers: list[list[int]], min_share: float = 0.5) -> PhraseTable:
                  min_share)
 
 
-def test_the_continuation_chains_lookups_and_names_the_first_tokens_band():
+def test_the_continuation_chains_lookups_backs_off_to_two_tokens_and_names_the_first_tokens_source():
     t = PhraseTable(VOCAB, {})
     t.entries[t.key([1, 2, 3])] = (4, 90)
     t.entries[t.key([2, 3, 4])] = (5, 60)
     t.entries[t.key([3, 4, 5])] = (6, 100)
-    high, low = sorted(SOURCES, reverse=True)
-    assert t.continuation([9, 1, 2, 3], 5) == ([4, 5, 6], high)  # chained: each token's context ends in the last
-    assert t.continuation([1, 2, 3], 2) == ([4, 5], high)
-    assert t.continuation([7, 2, 3, 4], 3) == ([5, 6], low)  # 60 %: the lower band
+    assert t.continuation([9, 1, 2, 3], 5) == ([4, 5, 6], LONG_HIGH)  # chained: each context ends in the last
+    assert t.continuation([1, 2, 3], 2) == ([4, 5], LONG_HIGH)
+    assert t.continuation([7, 2, 3, 4], 3) == ([5, 6], LONG_LOW)  # 60 %: the lower band
     assert t.continuation([2, 3], 3) == ([], 0) and t.continuation([1, 2, 3], 0) == ([], 0)
     assert t.continuation([3, 2, 1], 3) == ([], 0)
-    assert extension_source(high) not in SOURCES and extension_source(high) != extension_source(low) < 0
+    t.short[t.key([2, 1])] = (7, 55)  # 3 2 1 is not there, 2 1 is
+    t.short[t.key([5, 6])] = (8, 70)
+    assert t.continuation([3, 2, 1], 3) == ([7], SHORT)
+    assert t.continuation([2, 1], 3) == ([7], SHORT)  # two tokens of context are enough for the short table
+    assert t.continuation([1, 2, 3], 4) == ([4, 5, 6, 8], LONG_HIGH)  # 4 5 6: backs off to 5 6 → 8
+    assert len(t) == 5
+    ext = [extension_source(s) for s in SOURCES]
+    assert len(set(ext)) == len(SOURCES) and not set(ext) & set(SOURCES) and max(ext) < 0
 
 
 def _engine(base, table: PhraseTable | None, phrase: bool = True) -> LLMEngine:
@@ -56,7 +62,8 @@ def test_table_drafts_keep_the_output_the_verifiers_and_are_counted_apart(think_
     ref = tiny_engine(base, DMTD).generate(prompts, params)
     right = table_of([p[-3:] + r.token_ids for p, r in zip(prompts, ref)])  # the verifier's own answers
     never = min(set(range(VOCAB)) - {t for r in ref for t in r.token_ids})  # no answer has it
-    wrong = PhraseTable(VOCAB, {k: (never, p) for k, (_, p) in right.entries.items()})
+    wrong = PhraseTable(VOCAB, {k: (never, p) for k, (_, p) in right.entries.items()},
+                        {k: (never, p) for k, (_, p) in right.short.items()})
     exact = SamplingParams(max_new_tokens=40, cycle_len=3, exact=True)
     for table, good in ((right, True), (wrong, False)):
         eng = _engine(base, table)
@@ -90,7 +97,7 @@ def test_the_table_goes_on_from_the_tails_drafts_where_it_knows_their_continuati
     eng = _engine(base, table)
     got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-    drafted, accepted = eng.context_by_pos[extension_source(-1)]
+    drafted, accepted = eng.context_by_pos[extension_source(LONG_HIGH)]
     assert drafted[0] > 0 and 0 < accepted[0] <= drafted[0]
     for r in got:
         assert max(map(len, r.blocks)) <= 4 and 0 <= r.num_context_accepted <= r.num_context_drafted
@@ -116,7 +123,7 @@ def test_the_table_goes_on_from_the_tails_only_where_it_pays(tails, ext, expect)
     """After the tails' drafts, the table's tokens pay where the tails' are likely right (the table's count only
     then) and the table's own were right after them so far (a fresh engine: the prior, 0.5 a position)."""
     seq = _seq_with_drafts(tails)
-    source = extension_source(-1)
+    source = extension_source(LONG_HIGH)
     seen = {} if ext is None else {source: ([ext[1], ext[0]], [ext[0], int(ext[0] * 0.9)])}
     costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 8)}, drafts={1: 0.3}, decay=1.0)
     assert len(extension(seq, seen, costs, 1, [8, 9], source)) == expect

@@ -11,6 +11,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from dmtd.engine.phrase_table import LONG_HIGH, LONG_LOW, SHORT
 from dmtd.train.corpus import Record, load_corpus
 from dmtd.train.phrase_table import build, evaluate, run_phrase_table
 from dmtd.variants.build import build_engine, engine_spec
@@ -32,8 +33,11 @@ def test_the_table_keeps_a_contexts_most_frequent_token_where_it_was_seen_enough
     strict = build(records, 97, min_count=4, min_share=0.75)
     assert list(strict.entries) == [strict.key([1, 2, 3])]  # the only context seen 4 times
     assert build(records, 97, min_count=4, min_share=0.8).entries == {}
-    # positions, named, right: 9 1 2 → 3 (right), 1 2 3 → 4 (not 5), 2 3 5 → not in the table
-    assert evaluate(table, [rec([9, 1, 2], [3, 5, 6])]) == (3, 2, 1)
+    assert table.short[table.key([2, 3])] == (4, 75) and table.short[table.key([1, 2])] == (3, 100)
+    # by source, (named, right): 9 1 2 → 3 (right, 100 %), 1 2 3 → 4 (not 5; 75 %), 2 3 5 and 3 5: not there
+    assert evaluate(table, [rec([9, 1, 2], [3, 5, 6])]) == {0: (3, 0), LONG_HIGH: (1, 1), LONG_LOW: (1, 0),
+                                                            SHORT: (0, 0)}
+    assert evaluate(table, [rec([6, 1, 2], [3])])[SHORT] == (1, 1)  # 6 1 2: not there, 1 2 → 3 is
 
 
 def args(**kw: object) -> argparse.Namespace:
@@ -52,8 +56,9 @@ def test_the_written_table_loads_into_the_engine_and_a_tampered_one_is_refused(t
     expect = build(records, 97, 1, 0.5)
     spec = engine_spec(None, str(root))
     assert spec.phrase_table is not None and spec.phrase_table.entries == expect.entries and len(expect) > 0
+    assert spec.phrase_table.short == expect.short and expect.short
     assert build_engine(spec).phrase_table is spec.phrase_table
-    assert {p for _, p in expect.entries.values()} <= set(range(50, 101))
+    assert {p for _, p in [*expect.entries.values(), *expect.short.values()]} <= set(range(50, 101))
     path = root / "phrase_table.safetensors"
     tensors = {k: v.clone() for k, v in load_file(str(path)).items()}  # not the mapped file: it is rewritten
     assert tensors["keys"].tolist() == sorted(tensors["keys"].tolist())

@@ -2,9 +2,10 @@
 answers.
 
 For every 3-token context of the answers in the corpora's training split (the prompt's last three tokens lead into
-each answer), the token that followed it most often; kept where the context was seen at least ``--min-count`` times
-and that token had at least ``--min-share`` of its continuations. Reports how often the table names the next token
-of the corpora's held-out greedy answers, and how often rightly; ``--write`` stores it in the variant.
+each answer), and every 2-token one, the token that followed it most often; kept where the context was seen at least
+``--min-count`` times and that token had at least ``--min-share`` of its continuations. Reports how often the table
+names the next token of the corpora's held-out greedy answers, and how often rightly; ``--write`` stores it in the
+variant.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dmtd.engine.phrase_table import PHRASE_TABLE_FORMAT, N, PhraseTable
+from dmtd.engine.phrase_table import PHRASE_TABLE_FORMAT, SOURCES, N, PhraseTable
 from dmtd.train.corpus import Record, load_corpus
 from dmtd.variants.manifest import (
     MANIFEST_NAME,
@@ -36,20 +37,27 @@ def answer_ids(r: Record) -> list[int]:
 
 
 def build(records: list[Record], vocab_size: int, min_count: int, min_share: float) -> PhraseTable:
-    """The table of ``records``' (N + 1)-grams (see the module's docstring)."""
-    if vocab_size ** (N + 1) >= 2 ** 63:
-        raise ManifestError(f"vocabulary of {vocab_size}: too large for a phrase table ({N + 1}-grams packed in "
+    """The table of ``records``' N-token and (N - 1)-token contexts (see the module's docstring)."""
+    return PhraseTable(vocab_size, _contexts(records, vocab_size, min_count, min_share, N),
+                       _contexts(records, vocab_size, min_count, min_share, N - 1))
+
+
+def _contexts(records: list[Record], vocab_size: int, min_count: int, min_share: float,
+              n: int) -> dict[int, tuple[int, int]]:
+    """Packed n-token context → (its most frequent next token, that token's share in percent), where kept."""
+    if vocab_size ** (n + 1) >= 2 ** 63:
+        raise ManifestError(f"vocabulary of {vocab_size}: too large for a phrase table ({n + 1}-grams packed in "
                             "64 bits)")
     grams = []
     for r in records:
-        t = torch.tensor(answer_ids(r), dtype=torch.int64)
-        if len(t) > N:
-            k = torch.zeros(len(t) - N, dtype=torch.int64)
-            for j in range(N + 1):
-                k = k * vocab_size + t[j: len(t) - N + j]
+        t = torch.tensor(answer_ids(r)[N - n:], dtype=torch.int64)
+        if len(t) > n:
+            k = torch.zeros(len(t) - n, dtype=torch.int64)
+            for j in range(n + 1):
+                k = k * vocab_size + t[j: len(t) - n + j]
             grams.append(k)
     if not grams:
-        return PhraseTable(vocab_size)
+        return {}
     keys, counts = torch.unique(torch.cat(grams), return_counts=True)  # sorted: by context, then next token
     ctx, nxt = keys // vocab_size, keys % vocab_size
     _, group, _ = torch.unique_consecutive(ctx, return_inverse=True, return_counts=True)
@@ -65,31 +73,34 @@ def build(records: list[Record], vocab_size: int, min_count: int, min_share: flo
     share = counts.double() / total[group].double()
     keep = first & (total[group] >= min_count) & (share >= min_share)
     pct = (share[keep] * 100).floor().to(torch.int64)
-    return PhraseTable(vocab_size, dict(zip(ctx[keep].tolist(), zip(nxt[keep].tolist(), pct.tolist()))))
+    return dict(zip(ctx[keep].tolist(), zip(nxt[keep].tolist(), pct.tolist())))
 
 
-def evaluate(table: PhraseTable, records: list[Record]) -> tuple[int, int, int]:
-    """(positions, positions where the table names a token, of them right) over ``records``' answers."""
-    pos = named = right = 0
+def evaluate(table: PhraseTable, records: list[Record]) -> dict[int, tuple[int, int]]:
+    """Source (dmtd.engine.phrase_table.SOURCES) → (positions where the table names a token from it, of them
+    right) over ``records``' answers; source 0: every position, (positions, 0)."""
+    out = {0: [0, 0], **{s: [0, 0] for s in SOURCES}}
     for r in records:
         ids = answer_ids(r)
         for i in range(N, len(ids)):
-            pos += 1
-            hit = table.entries.get(table.key(ids[i - N: i]))
+            out[0][0] += 1
+            hit = table.lookup(ids[i - N: i])
             if hit is not None:
-                named += 1
-                right += hit[0] == ids[i]
-    return pos, named, right
+                out[hit[1]][0] += 1
+                out[hit[1]][1] += hit[0] == ids[i]
+    return {s: (a, b) for s, (a, b) in out.items()}
 
 
 def write(mpath: Path, manifest: VariantManifest, table: PhraseTable, meta: dict[str, str]) -> Path:
     """Store the table beside the manifest and name it in it, validated before it replaces the old one."""
     path = mpath.parent / FILE_NAME
-    items = sorted(table.entries.items())
-    save_file({"keys": torch.tensor([k for k, _ in items], dtype=torch.int64),
-               "next": torch.tensor([t for _, (t, _) in items], dtype=torch.int32),
-               "share": torch.tensor([p for _, (_, p) in items], dtype=torch.uint8)}, str(path),
-              metadata={"format": PHRASE_TABLE_FORMAT, "vocab_size": str(table.vocab_size), **meta})
+    tensors = {}
+    for suffix, entries in (("", table.entries), ("2", table.short)):
+        items = sorted(entries.items())
+        tensors.update({f"keys{suffix}": torch.tensor([k for k, _ in items], dtype=torch.int64),
+                        f"next{suffix}": torch.tensor([t for _, (t, _) in items], dtype=torch.int32),
+                        f"share{suffix}": torch.tensor([p for _, (_, p) in items], dtype=torch.uint8)})
+    save_file(tensors, str(path), metadata={"format": PHRASE_TABLE_FORMAT, "vocab_size": str(table.vocab_size), **meta})
     path.chmod(0o644)
     update_manifest(mpath, manifest, phrase_table=FILE_NAME, phrase_table_sha256=sha256_file(path))
     return path
@@ -121,10 +132,13 @@ def run_phrase_table(args: argparse.Namespace) -> int:
     train = [r for c in corpora for r in c.split("train")]
     held = [r for c in corpora for r in c.split("heldout") if r.temperature == 0.0]
     table = build(train, vocab, args.min_count, args.min_share)
-    pos, named, right = evaluate(table, held)
-    print(f"{len(table)} contexts from {len(train)} training answers; on {len(held)} held-out greedy answers the table "
-          f"names the next token at {named}/{pos} positions ({named / max(pos, 1):.3f}), right at {right} "
-          f"({right / max(named, 1):.3f})")
+    found = evaluate(table, held)
+    pos = max(found.pop(0)[0], 1)
+    named, right = sum(n for n, _ in found.values()), sum(r for _, r in found.values())
+    print(f"{len(table.entries)} contexts of {N} tokens and {len(table.short)} of {N - 1} from {len(train)} training "
+          f"answers; on {len(held)} held-out greedy answers the table names the next token at {named}/{pos} positions "
+          f"({named / pos:.3f}), right at {right} ({right / max(named, 1):.3f}); by source "
+          + ", ".join(f"{s}: {n / pos:.3f} of positions, {r / max(n, 1):.3f} right" for s, (n, r) in found.items()))
     if args.write:
         digest = hashlib.sha256(",".join(c.content_hash for c in corpora).encode()).hexdigest()
         path = write(mpath, manifest, table, {"corpora_sha256": digest, "min_count": str(args.min_count),

@@ -137,18 +137,21 @@ def read_phrase_table(manifest: VariantManifest, root: Path, vocab_size: int) ->
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
-            keys, nxt, share = (f.get_tensor(k).tolist() for k in ("keys", "next", "share"))
+            keys, nxt, share, keys2, nxt2, share2 = (f.get_tensor(k).tolist() for k in
+                                                     ("keys", "next", "share", "keys2", "next2", "share2"))
     except (SafetensorError, OSError, KeyError) as e:
         raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} is not a {PHRASE_TABLE_FORMAT} "
                             f"file ({e})") from e
     vocab = int(meta["vocab_size"]) if str(meta.get("vocab_size", "")).isdigit() else None
-    if meta.get("format") != PHRASE_TABLE_FORMAT or vocab is None or not len(keys) == len(nxt) == len(share):
+    if meta.get("format") != PHRASE_TABLE_FORMAT or vocab is None or not len(keys) == len(nxt) == len(share) \
+            or not len(keys2) == len(nxt2) == len(share2):
         raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} is not a {PHRASE_TABLE_FORMAT} "
-                            "file (format, vocab_size, keys / next / share of one length)")
+                            "file (format, vocab_size, keys / next / share of one length, the same with 2)")
     if vocab != vocab_size:
         raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} was made for a vocabulary of "
                             f"{vocab}, the base model's is {vocab_size}")
-    return PhraseTable(vocab, {k: (t, p) for k, t, p in zip(keys, nxt, share)})
+    return PhraseTable(vocab, {k: (t, p) for k, t, p in zip(keys, nxt, share)},
+                       {k: (t, p) for k, t, p in zip(keys2, nxt2, share2)})
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
