@@ -97,6 +97,10 @@ def main() -> None:
         print(f"{name}: mean {statistics.mean(xs):.3f}x  median {statistics.median(xs):.3f}x  "
               f"min {min(xs):.2f}x  max {max(xs):.2f}x  accepted {acc}/{made} = {acc / max(made, 1):.3f}"
               + (f", of them context drafts {cacc}/{cmade}" if cmade else ""))
+    for name, key, *_ in configs:  # the same requests: fewer passes of a kind is what a configuration saved (the
+        # configurations of one letter share an engine: their passes are counted together)
+        passes = {k: int(v[0]) for k, v in engines[key].pass_stats.items()}
+        print(f"{name}: passes (warm-up included) " + ", ".join(f"{k} {n}" for k, n in sorted(passes.items())))
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "command": vars(args), "runs": runs}, indent=1))
         print(f"wrote {args.json}")
