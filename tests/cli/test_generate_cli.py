@@ -97,6 +97,11 @@ def test_generate_profile_exact_says_its_tokens_are_tau1s():
                  "3", "--min-confidence", "0", "--no-context-drafts", "--json")
     t = json.loads(tails.stdout.strip().splitlines()[-1])
     assert tails.returncode == 0 and t["num_context_drafted"] == 0 and t["token_ids"] == out["token_ids"]
+    lookups = dmtd("generate", "--profile", "exact", "--chat", "Name three colours.", "--max-new-tokens", "24",
+                   "--tau", "3", "--min-confidence", "0", "--no-phrase-drafts", "--json")  # prompt lookups and tails
+    lk = json.loads(lookups.stdout.strip().splitlines()[-1])
+    assert lookups.returncode == 0 and lk["token_ids"] == out["token_ids"]
+    assert 0 <= lk["num_context_accepted"] <= lk["num_context_drafted"] <= lk["num_drafted"]
     from dmtd.engine.lowbit import resolve_dtype
 
     assert out["dtype"] == resolve_dtype("auto", "cpu")  # auto precision: bfloat16 on AVX-512, the exact profile too
