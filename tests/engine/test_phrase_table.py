@@ -105,6 +105,30 @@ def test_the_table_goes_on_from_the_tails_drafts_where_it_knows_their_continuati
         assert sum(r.drafted_by_pos) == r.num_drafted - r.num_context_drafted
 
 
+def test_nothing_goes_on_past_a_stop_token_and_what_was_not_emitted_is_not_counted_accepted():
+    """A table that knows what follows a request's stop token: no table token goes after a tail draft that is the
+    stop token (it would be accepted and never emitted), and a request's counts hold only what it streamed."""
+    base = base_model(3, 0.0)
+    prompts = prompts_of([5, 9, 13, 7], 4)
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    for stop_pos in range(2, 14):
+        for p, r in zip(prompts, ref):
+            stop = r.token_ids[stop_pos]
+            ids = p[-3:] + r.token_ids
+            table = PhraseTable(VOCAB, {})
+            for i in range(3, len(ids)):
+                if i % 3 == 0 or ids[i - 1] == stop:
+                    table.entries[table.key(ids[i - 3: i])] = (ids[i], 100)
+            got = _engine(base, table).generate([p], SamplingParams(max_new_tokens=40, cycle_len=4, exact=True,
+                                                                    stop_token_ids=[stop]))[0]
+            want = tiny_engine(base, DMTD).generate([p], SamplingParams(max_new_tokens=40, cycle_len=1,
+                                                                        stop_token_ids=[stop]))[0]
+            assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+            assert got.num_accepted <= len(got.token_ids) - len(got.blocks) + 1  # the last block may lack a head
+            assert sum(got.accepted_by_pos) == got.num_accepted - got.num_context_accepted
+            assert 0 <= got.num_context_accepted <= got.num_context_drafted
+
+
 def test_a_table_for_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="phrase_table: made for a vocabulary of 50"):
         _engine(base_model(3, 1.0), PhraseTable(50, {}))

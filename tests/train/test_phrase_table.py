@@ -6,9 +6,12 @@ import argparse
 import hashlib
 import json
 import lzma
+import re
 import shutil
 
 import pytest
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dmtd.engine.phrase_table import LONG_HIGH, LONG_LOW, SHORT
@@ -76,6 +79,35 @@ def test_the_written_table_loads_into_the_engine_and_a_tampered_one_is_refused(t
         (root / "variant.json").write_text(json.dumps(data))
         with pytest.raises(ManifestError, match="is not a dmtd-phrase-table-v1 file"):
             engine_spec(None, str(root))
+
+
+@pytest.mark.parametrize("tensor,value,rule", [("next", 97, "next must hold values in 0..96"),
+                                               ("keys2", -1, "keys2 must hold values in 0..9408"),
+                                               ("share", 101, "share must hold values in 0..100"),
+                                               ("keys", "twice", "keys must not hold a context twice"),
+                                               ("next2", "2d", "next2 must be a 1-D torch.int32 tensor")])
+def test_a_table_with_the_right_hash_and_wrong_contents_is_refused_naming_the_tensor(tiny_dir, tiny_corpus_dir,
+                                                                                     tmp_path, tensor, value, rule):
+    root = variant_over(tiny_dir, tmp_path / "v")
+    run_phrase_table(args(corpus=[tiny_corpus_dir], variant=root))
+    path = root / "phrase_table.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
+    x = tensors[tensor]
+    if value == "twice":
+        tensors[tensor] = torch.cat([x, x[:1]])
+        for k in ("next", "share"):
+            tensors[k] = torch.cat([tensors[k], tensors[k][:1]])
+    elif value == "2d":
+        tensors[tensor] = x[None]
+    else:
+        x[0] = value
+    save_file(tensors, str(path), metadata=meta)
+    data = json.loads((root / "variant.json").read_text())
+    data["phrase_table_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (root / "variant.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=re.escape(rule)):
+        engine_spec(None, str(root))
 
 
 def test_a_mirror_of_xz_shards_is_a_corpus_too(tiny_corpus_dir, tmp_path):

@@ -85,7 +85,9 @@ def extension(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, cont: l
     best = tokens / cost
     for j in range(1, len(cont) + 1):
         more = reach * (expected_tokens(accepted, drafted, j, prior) - 1)
-        rate = (tokens + more) / (cost + costs.check_cost(batch, m + j) - costs.check_cost(batch, m))
+        # a width measured and a wider one still on its prior could make the difference negative: never below free
+        wider = max(0.0, costs.check_cost(batch, m + j) - costs.check_cost(batch, m))
+        rate = (tokens + more) / (cost + wider)
         if rate > best:
             pick, best = cont[:j], rate
     return pick

@@ -25,7 +25,7 @@ from dmtd.engine.draft_policy import (
 )
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
-from dmtd.engine.phrase_table import PhraseTable, extension_source
+from dmtd.engine.phrase_table import N, PhraseTable, extension_source
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
 from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
@@ -240,9 +240,10 @@ class LLMEngine:
                                              and seq.params.greedy) or not seq.drafts:
             return
         room = seq.draft_room(self.cfg.max_model_len) - len(seq.drafts)
-        if room <= 0 or until_stop(seq, seq.drafts, self.eos_ids) != seq.drafts:
-            return  # no room, or the tails drafted a stop token
-        cont, band = self.phrase_table.continuation(seq.token_ids + seq.drafts, room)
+        last = seq.drafts[-1]  # the tails stop drafting at a stop token: it can only be the last one
+        if room <= 0 or last in seq.params.stop_token_ids or (not seq.params.ignore_eos and last in self.eos_ids):
+            return  # no room, or the tails drafted a stop token: nothing after it would be emitted
+        cont, band = self.phrase_table.continuation(seq.token_ids[-N:] + seq.drafts, room)
         source = extension_source(band)
         pick = context_drafts.extension(seq, self.context_by_pos, self.pass_costs, len(self.scheduler.running),
                                         until_stop(seq, cont, self.eos_ids), source)
@@ -307,7 +308,8 @@ class LLMEngine:
                     if j < len(events) - 1:  # a stop string ended the block early: it holds what was emitted
                         del s.token_ids[s.prompt_len + generated + j + 1:]
                         o.block, o.block_confidences = c.tokens[: j + 1], c.confidences[: j + 1]
-                        self._unaccept(s, c.num_accepted, j + 1, context, tails, ext_source)
+                    # drafts accepted past the end (a stop string, a stop token) were never emitted
+                    self._unaccept(s, c.num_accepted, j + 1, context, tails, ext_source, extended)
                     break
             last, accepted = results[-1], min(c.num_accepted, len(results[-1].block or []))
             last.num_drafted, last.num_accepted = m, accepted
@@ -325,9 +327,14 @@ class LLMEngine:
 
     @staticmethod
     def _unaccept(seq: Sequence, num_accepted: int, num_emitted: int, context: int, tails: int,
-                  ext_source: int) -> None:
+                  ext_source: int, extended: int) -> None:
         """Accepted drafts past a stop string were never emitted: count only those that were (``tails``: the
-        cycle's tail drafts, the phrase table's after them counted under ``ext_source``)."""
+        cycle's tail drafts, the ``extended`` phrase-table drafts after them counted under ``ext_source``, and
+        counted as drafted only where every tail draft was accepted: not so where the block ended before)."""
+        if extended and num_accepted >= tails > 0 and num_emitted < tails:
+            drafted = seq.context_by_pos[ext_source][0]
+            for j in range(extended):
+                drafted[j] -= 1
         for j in range(num_emitted, num_accepted):
             seq.num_accepted -= 1
             if context:

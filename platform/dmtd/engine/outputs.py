@@ -46,7 +46,7 @@ class StepOutput:
     error: str | None = None
     num_drafted: int = 0  # verified cycles: drafts checked by the head that closed this block
     num_accepted: int = 0
-    num_context_drafted: int = 0  # of them, context drafts (prompt lookup): all or none of a block's
+    num_context_drafted: int = 0  # of them, drafts not from the tails (prompt lookup, the phrase table)
     num_context_accepted: int = 0
 
 

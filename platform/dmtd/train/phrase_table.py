@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -31,9 +32,10 @@ from dmtd.variants.manifest import (
 FILE_NAME = "phrase_table.safetensors"
 
 
-def answer_ids(r: Record) -> list[int]:
-    """The ids a table learns from: the prompt's last N (they lead into the answer), then the answer."""
-    return list(r.prompt_ids[-N:]) + list(r.completion_ids)
+def answer_ids(r: Record, n: int = N) -> list[int]:
+    """The ids a table of n-token contexts learns from: the prompt's last n (they lead into the answer), then the
+    answer."""
+    return list(r.prompt_ids[-n:]) + list(r.completion_ids)
 
 
 def build(records: list[Record], vocab_size: int, min_count: int, min_share: float) -> PhraseTable:
@@ -50,7 +52,7 @@ def _contexts(records: list[Record], vocab_size: int, min_count: int, min_share:
                             "64 bits)")
     grams = []
     for r in records:
-        t = torch.tensor(answer_ids(r)[N - n:], dtype=torch.int64)
+        t = torch.tensor(answer_ids(r, n), dtype=torch.int64)
         if len(t) > n:
             k = torch.zeros(len(t) - n, dtype=torch.int64)
             for j in range(n + 1):
@@ -100,8 +102,10 @@ def write(mpath: Path, manifest: VariantManifest, table: PhraseTable, meta: dict
         tensors.update({f"keys{suffix}": torch.tensor([k for k, _ in items], dtype=torch.int64),
                         f"next{suffix}": torch.tensor([t for _, (t, _) in items], dtype=torch.int32),
                         f"share{suffix}": torch.tensor([p for _, (_, p) in items], dtype=torch.uint8)})
-    save_file(tensors, str(path), metadata={"format": PHRASE_TABLE_FORMAT, "vocab_size": str(table.vocab_size), **meta})
-    path.chmod(0o644)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # the old table stays whole until the new one is
+    save_file(tensors, str(tmp), metadata={"format": PHRASE_TABLE_FORMAT, "vocab_size": str(table.vocab_size), **meta})
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
     update_manifest(mpath, manifest, phrase_table=FILE_NAME, phrase_table_sha256=sha256_file(path))
     return path
 

@@ -129,29 +129,38 @@ def read_draft_vocab(manifest: VariantManifest, root: Path) -> list[int] | None:
 
 
 def read_phrase_table(manifest: VariantManifest, root: Path, vocab_size: int) -> PhraseTable | None:
-    """The variant's phrase table (dmtd.engine.phrase_table), checked against its hash and the base model's
-    vocabulary (``vocab_size``)."""
+    """The variant's phrase table (dmtd.engine.phrase_table), checked against its hash, its format and the base
+    model's vocabulary (``vocab_size``): every context and next token an id of it, shares in percent, no context
+    twice. A bad table fails the load, naming the tensor, before any request could draft from it."""
     if manifest.phrase_table is None:
         return None
     path = _checked_file(manifest, root, manifest.phrase_table, manifest.phrase_table_sha256, "phrase_table")
+    where = f"variant {manifest.name!r}: phrase_table {str(path)!r}"
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
-            keys, nxt, share, keys2, nxt2, share2 = (f.get_tensor(k).tolist() for k in
-                                                     ("keys", "next", "share", "keys2", "next2", "share2"))
+            t = {k: f.get_tensor(k) for k in ("keys", "next", "share", "keys2", "next2", "share2")}
     except (SafetensorError, OSError, KeyError) as e:
-        raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} is not a {PHRASE_TABLE_FORMAT} "
-                            f"file ({e})") from e
+        raise ManifestError(f"{where} is not a {PHRASE_TABLE_FORMAT} file ({e})") from e
     vocab = int(meta["vocab_size"]) if str(meta.get("vocab_size", "")).isdigit() else None
-    if meta.get("format") != PHRASE_TABLE_FORMAT or vocab is None or not len(keys) == len(nxt) == len(share) \
-            or not len(keys2) == len(nxt2) == len(share2):
-        raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} is not a {PHRASE_TABLE_FORMAT} "
-                            "file (format, vocab_size, keys / next / share of one length, the same with 2)")
+    if meta.get("format") != PHRASE_TABLE_FORMAT or vocab is None:
+        raise ManifestError(f"{where} is not a {PHRASE_TABLE_FORMAT} file (its metadata's format and vocab_size)")
     if vocab != vocab_size:
-        raise ManifestError(f"variant {manifest.name!r}: phrase_table {str(path)!r} was made for a vocabulary of "
-                            f"{vocab}, the base model's is {vocab_size}")
-    return PhraseTable(vocab, {k: (t, p) for k, t, p in zip(keys, nxt, share)},
-                       {k: (t, p) for k, t, p in zip(keys2, nxt2, share2)})
+        raise ManifestError(f"{where} was made for a vocabulary of {vocab}, the base model's is {vocab_size}")
+    tables = []
+    for suffix, n in (("", 3), ("2", 2)):
+        keys, nxt, share = t[f"keys{suffix}"], t[f"next{suffix}"], t[f"share{suffix}"]
+        for name, x, dtype, high in ((f"keys{suffix}", keys, torch.int64, vocab ** n),
+                                     (f"next{suffix}", nxt, torch.int32, vocab), (f"share{suffix}", share, torch.uint8,
+                                                                                 101)):
+            if x.dim() != 1 or x.dtype != dtype or len(x) != len(keys):
+                raise ManifestError(f"{where}: {name} must be a 1-D {dtype} tensor as long as keys{suffix}")
+            if len(x) and not (int(x.min()) >= 0 and int(x.max()) < high):
+                raise ManifestError(f"{where}: {name} must hold values in 0..{high - 1}")
+        if len(keys) != len(torch.unique(keys)):
+            raise ManifestError(f"{where}: keys{suffix} must not hold a context twice")
+        tables.append(dict(zip(keys.tolist(), zip(nxt.tolist(), share.tolist()))))
+    return PhraseTable(vocab, tables[0], tables[1])
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
