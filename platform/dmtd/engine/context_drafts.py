@@ -64,7 +64,7 @@ def choose(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, bar: float
 def until_stop(seq: Sequence, cont: list[int], eos_ids: set[int]) -> list[int]:
     """``cont`` up to its first stop token (kept: it ends the request; nothing after it is worth checking)."""
     for j, t in enumerate(cont):
-        if t in seq.params.stop_token_ids or (not seq.params.ignore_eos and t in eos_ids):
+        if seq.stops_at(t, eos_ids):
             return cont[: j + 1]
     return cont
 

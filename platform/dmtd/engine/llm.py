@@ -241,7 +241,7 @@ class LLMEngine:
             return
         room = seq.draft_room(self.cfg.max_model_len) - len(seq.drafts)
         last = seq.drafts[-1]  # the tails stop drafting at a stop token: it can only be the last one
-        if room <= 0 or last in seq.params.stop_token_ids or (not seq.params.ignore_eos and last in self.eos_ids):
+        if room <= 0 or seq.stops_at(last, self.eos_ids):
             return  # no room, or the tails drafted a stop token: nothing after it would be emitted
         cont, band = self.phrase_table.continuation(seq.token_ids[-N:] + seq.drafts, room)
         source = extension_source(band)

@@ -176,8 +176,8 @@ class Scheduler:
         for seq, tok, conf in zip(seqs, tokens, confidences):
             seq.num_tail_cached = seq.draft_position + 1  # the tail wrote its KV at the position it fed
             seq.drafts.append(tok)
-            stop = tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in eos_ids)
-            if stop or conf < seq.params.min_confidence or len(seq.drafts) >= seq.max_drafts(self.max_model_len):
+            if (seq.stops_at(tok, eos_ids) or conf < seq.params.min_confidence
+                    or len(seq.drafts) >= seq.max_drafts(self.max_model_len)):
                 seq.draft_done = True
 
     def postprocess_checked(self, seq: Sequence, tokens: list[int], num_accepted: int,
@@ -237,7 +237,7 @@ class Scheduler:
         return k or tau
 
     def _stop_reason(self, seq: Sequence, tok: int, eos_ids: set[int]) -> str | None:
-        if tok in seq.params.stop_token_ids or (not seq.params.ignore_eos and tok in eos_ids):
+        if seq.stops_at(tok, eos_ids):
             return "stop"
         if seq.num_generated >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

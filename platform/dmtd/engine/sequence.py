@@ -151,6 +151,10 @@ class Sequence:
         """Position the next draft step feeds (verified cycles)."""
         return len(self.token_ids) - 1 + len(self.drafts)
 
+    def stops_at(self, tok: int, eos_ids: set[int]) -> bool:
+        """Whether ``tok`` ends this request: one of its stop tokens, or an EOS id unless it ignores EOS."""
+        return tok in self.params.stop_token_ids or (not self.params.ignore_eos and tok in eos_ids)
+
     def draft_room(self, max_model_len: int) -> int:
         """Drafts a cycle may check, whoever makes them: τ − 1, bounded so the check fits the budget and the context."""
         left = self.params.max_new_tokens - self.num_generated

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.model import LayerWeights
-from dmtd.engine.phrase_table import PHRASE_TABLE_FORMAT, PhraseTable
+from dmtd.engine.phrase_table import PHRASE_TABLE_FORMAT, N, PhraseTable
 from dmtd.engine.verifier import Verifier, own_verifier, snapshot_decoding_layers
 from dmtd.variants.loader import LoadedModel, load_model
 from dmtd.variants.manifest import (
@@ -148,7 +148,7 @@ def read_phrase_table(manifest: VariantManifest, root: Path, vocab_size: int) ->
     if vocab != vocab_size:
         raise ManifestError(f"{where} was made for a vocabulary of {vocab}, the base model's is {vocab_size}")
     tables = []
-    for suffix, n in (("", 3), ("2", 2)):
+    for suffix, n in (("", N), ("2", N - 1)):
         keys, nxt, share = t[f"keys{suffix}"], t[f"next{suffix}"], t[f"share{suffix}"]
         for name, x, dtype, high in ((f"keys{suffix}", keys, torch.int64, vocab ** n),
                                      (f"next{suffix}", nxt, torch.int32, vocab), (f"share{suffix}", share, torch.uint8,
