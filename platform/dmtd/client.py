@@ -236,14 +236,18 @@ def generate_to_console(target: str, *, prompt: str | None, chat: str | None, va
 
 
 def compare_with_tau1(record: dict[str, Any], tokens: list[int], tok_s: float, ref_tokens: list[int],
-                      ref_tok_s: float, label: str, verifier: str | None, out: TextIO) -> None:
+                      ref_tok_s: float, label: str, verifier: str | None, out: TextIO,
+                      base_model: bool = False) -> None:
     """Report a request against its τ = 1 twin (``--compare-tau1``): the speedup and, given the ``verifier`` of
-    a greedy exact request, whether the tokens are the same; into ``record`` and one line on ``out``."""
+    a greedy exact request, whether the tokens are the same; into ``record`` and one line on ``out``.
+    ``base_model``: the twin ran on the base model's own engine (``--variant none``), not the variant's."""
     speedup = tok_s / ref_tok_s if ref_tok_s > 0 else 0.0
     match = ""
+    twin = "the base model's (--variant none)" if base_model else "τ = 1's"
     if verifier:
         same = ref_tokens == tokens
-        match = ("; tokens identical to τ = 1's" if same else "; TOKENS DIFFER from τ = 1's") + f" ({verifier} model)"
+        match = (f"; tokens identical to {twin}" if same else f"; TOKENS DIFFER from {twin}") + f" ({verifier} model)"
         record["tokens_match_tau1"] = same
-    print(f"[τ=1 on the same request: {ref_tok_s:.1f} tok/s → speedup {speedup:.2f}× at {label}{match}]", file=out)
+    where = "the base model" if base_model else "the same request"
+    print(f"[τ=1 on {where}: {ref_tok_s:.1f} tok/s → speedup {speedup:.2f}× at {label}{match}]", file=out)
     record.update(tau1_tokens_per_s=ref_tok_s, speedup_vs_tau1=speedup, tau1_token_ids=ref_tokens)

@@ -47,10 +47,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.decoding_layers is not None and variant != "none":
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    wants_exact = None if args.profile is None else args.profile == "exact"  # None: the variant's default
-    # one request on its own engine: bf16 exact tokens are the bf16 verifier's bit for bit (variant_precision)
-    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS], wants_exact,
-                                     one_sequence=True)
+    dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS])
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
                        search_dirs=[SHIPPED_VARIANTS])
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
@@ -66,24 +63,34 @@ def generate(args: argparse.Namespace) -> int:
         else spec.draft_threshold if profile == "exact" else spec.min_confidence,
         exact=profile == "exact",
     )
+    # the exact profile's twin is the base model itself (variant none, same precision and kernels), never the
+    # variant engine's own τ = 1 path: "identical" then means identical to what the base model writes
+    base_engine = engine
+    if args.compare_tau1 and profile == "exact" and variant != "none":
+        base_engine = build_engine(engine_spec(args.model, "none", dtype=getattr(torch, dtype), device=device),
+                                   EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
+                                                quant=quant))
     prompts: list[Any] = [[{"role": "user", "content": c}] for c in args.chat] if args.chat else [args.prompt]
     records = []
     for n, prompt in enumerate(prompts):
         if len(prompts) > 1 and not args.json:
             print(f"{'' if n == 0 else chr(10)}>>> {args.chat[n]}")
-        records.append(_generate_local(engine, engine.encode(prompt), params, args, variant, profile, dtype, quant))
+        records.append(_generate_local(engine, engine.encode(prompt), params, args, variant, profile, dtype, quant,
+                                       base_engine))
     if len(records) > 1 and args.compare_tau1:
         speedups = [r["speedup_vs_tau1"] for r in records]
         same = [r["tokens_match_tau1"] for r in records if "tokens_match_tau1" in r]
-        match = f"; tokens identical to τ = 1's in {sum(same)} of {len(same)}" if same else ""
+        match = f"; tokens identical to the base model's in {sum(same)} of {len(same)}" if same else ""
         print(f"[{len(records)} requests: speedup over τ = 1 mean {sum(speedups) / len(speedups):.2f}× (min "
               f"{min(speedups):.2f}×, max {max(speedups):.2f}×){match}]", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
 def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argparse.Namespace, variant: str,
-                    profile: str, dtype: str, quant: str) -> dict[str, Any]:
-    """One request of ``dmtd generate`` on a local engine: stream it, report it, compare it with τ = 1."""
+                    profile: str, dtype: str, quant: str, base_engine: Any = None) -> dict[str, Any]:
+    """One request of ``dmtd generate`` on a local engine: stream it, report it, compare it with τ = 1 (for the
+    exact profile: the base model, ``base_engine``, decoding the same request)."""
+    base_engine = base_engine or engine
     tau = params.cycle_len
     if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs: 16 tokens run
         # each check width twice or more (a shape's first passes cost several plain steps: TorchScript profiles them)
@@ -92,13 +99,16 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
     tokens, blocks, tok_s = run.tokens, run.blocks, run.tokens_per_s
     refs: list[LocalRun] = []
     if args.compare_tau1:
-        # the same request at τ = 1 (every position a head), same engine, measured the same way; for the exact
-        # profile that is the verifier alone — the base model's own decoding. With --repeat the two alternate.
-        base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0)
-        refs.append(_stream_local(engine, prompt_ids, base, echo=False))
+        # the same request at τ = 1 (every position a head), measured the same way; for the exact profile on the
+        # base model's own engine (--variant none). With --repeat the two alternate.
+        own = base_engine is engine
+        base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0, exact=params.exact and own)
+        if not own:
+            _stream_local(base_engine, prompt_ids, dataclasses.replace(base, max_new_tokens=16), echo=False)
+        refs.append(_stream_local(base_engine, prompt_ids, base, echo=False))
         for _ in range(args.repeat - 1):
             tok_s = max(tok_s, _stream_local(engine, prompt_ids, params, echo=False).tokens_per_s)
-            refs.append(_stream_local(engine, prompt_ids, base, echo=False))
+            refs.append(_stream_local(base_engine, prompt_ids, base, echo=False))
     mean_block = sum(blocks) / len(blocks) if blocks else 0.0
     if not args.json:
         print()
@@ -131,7 +141,8 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
         best = max(refs, key=lambda r: r.tokens_per_s)
         compare_with_tau1(record, tokens, tok_s, refs[0].tokens, best.tokens_per_s,
                           f"τ={tau}{gate}" + (f", fastest of {len(refs)} runs each" if len(refs) > 1 else ""),
-                          engine.verifier_name if params.exact and params.greedy else None, out)
+                          engine.verifier_name if params.exact and params.greedy else None, out,
+                          base_model=base_engine is not engine)
         record["runs_each"] = len(refs)
     if args.json:
         print(json.dumps(record))

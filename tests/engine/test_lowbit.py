@@ -12,7 +12,7 @@ import torch
 from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.ops import AMX_MIN_ROWS, NEVER, cpu_flags
+from dmtd.engine.ops import KERNEL_PATHS, cpu_paths, kernel_path
 from dmtd.engine.sequence import SamplingParams
 from tests.conftest import tiny_model
 
@@ -50,7 +50,7 @@ def test_kernel_equals_the_dense_product_of_the_packed_weight(fmt, rows):
     w = torch.randn(70, 128)  # 70 output rows: not a multiple of the kernel's row chunk
     p = lowbit.pack(w, fmt)
     x = torch.randn(rows, 128)
-    amx = fmt == "bf16" and rows >= AMX_MIN_ROWS  # torch's AMX matmul: activations and output rounded to bf16
+    amx = fmt == "bf16" and lowbit.loaded_path() == "amx"  # AMX tiles: activations rounded to bf16
     ref = (x.to(torch.bfloat16).float() if amx else x) @ lowbit.unpack(p).t()
     y = p.project(x)
     assert y.shape == (rows, 70) and y.dtype == torch.float32
@@ -61,16 +61,22 @@ def test_kernel_equals_the_dense_product_of_the_packed_weight(fmt, rows):
     torch.testing.assert_close(yb.float().view(rows, 70), refb, rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "i8dot"])
 def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
-    """Up to 8 rows share one weight pass row by row: batching never changes a row's result (exactness), below
-    the rows from which bf16 products go to AMX (dmtd.engine.ops.AMX_MIN_ROWS, 12 or never)."""
+    """A row's product has the same bits whatever the number of rows in the call (1 .. 70, across the kernels'
+    blocks of 8 rows and AMX's tiles of 16), its place among them and the other rows: exactness rests on it."""
     torch.manual_seed(1)
-    p = lowbit.pack(torch.randn(64, 96), fmt)
-    x = torch.randn(6, 96)
+    p = lowbit.pack(torch.randn(80, 128), fmt)  # 80 outputs: a partial block of 32 on AMX
+    x = torch.randn(70, 128)
     together = p.project(x)
-    for i in range(6):
-        assert torch.equal(p.project(x[i: i + 1])[0], together[i])
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 9, 16, 17, 33, 70):
+        idx = torch.randperm(70, generator=g)[:n]
+        companions = torch.randn(n, 128, generator=g)
+        companions[torch.arange(n) % 2 == 0] = x[idx][torch.arange(n) % 2 == 0]
+        mixed = p.project(companions)
+        for i in range(0, n, 2):
+            assert torch.equal(mixed[i], together[idx[i]]), (n, i)
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "i8dot"])
@@ -94,12 +100,21 @@ def test_the_prefetch_distance_changes_no_bit_and_refuses_a_bad_one(fmt):
     assert before == 2048  # the default
 
 
-def test_bf16_products_of_many_rows_take_amx_where_the_cpu_has_it():
-    assert (12 if "amx_bf16" in cpu_flags() else NEVER) == AMX_MIN_ROWS
-    env = {**os.environ, "DMTD_AMX_MIN_ROWS": "0"}
-    out = subprocess.run([sys.executable, "-c", "from dmtd.engine.ops import AMX_MIN_ROWS, NEVER, cpu_flags; "
-                          "print(AMX_MIN_ROWS == NEVER)"], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"
+def test_the_kernel_path_is_the_fastest_the_cpu_has_unless_forced():
+    assert kernel_path() == cpu_paths()[0] or os.environ.get("DMTD_KERNEL_PATH")
+    assert lowbit.loaded_path() == kernel_path()
+    assert cpu_paths(set()) == ["portable"]
+    assert cpu_paths({"avx2", "fma"}) == ["avx2", "portable"]
+    assert set(cpu_paths()) <= set(KERNEL_PATHS)
+    script = "from dmtd.engine import lowbit; lowbit.load_kernels(); print(lowbit.loaded_path())"
+    bad = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DMTD_KERNEL_PATH": "sse9"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "DMTD_KERNEL_PATH must be auto or one of amx, avx512, avx2, portable" in bad.stderr
+    missing = [p for p in KERNEL_PATHS if p not in cpu_paths()]
+    for path in missing[:1]:
+        out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DMTD_KERNEL_PATH": path},
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and f"DMTD_KERNEL_PATH={path}: this CPU runs only" in out.stderr
 
 
 def test_bad_shapes_and_formats_are_refused_with_the_rule():
@@ -314,7 +329,7 @@ def test_a_build_killed_midway_does_not_hang_later_loads(tmp_path):
     the next process must not wait on it forever."""
     import shutil
 
-    build = lowbit._build_dir()
+    build = lowbit._build_dir(kernel_path())
     cache = tmp_path / "cache"
     shutil.copytree(build, cache / "kernels" / build.name)  # the built kernels, mtimes kept: nothing to rebuild
     (cache / "kernels" / build.name / "lock").touch()  # what the killed build left

@@ -21,14 +21,11 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: int, mode: int,  # noqa: UP006, UP045
-         amx_rows: int) -> torch.Tensor:
-    """``x @ w`` for a dense input-major weight (mode 0), else the packed weight's kernel with scales ``s[i]``
-    (bf16 products of ``amx_rows`` rows or more: torch's matmul on AMX, dmtd.engine.ops.AMX_MIN_ROWS)."""
+def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: int, mode: int  # noqa: UP006, UP045
+         ) -> torch.Tensor:
+    """``x @ w`` for a dense input-major weight (mode 0), else the packed weight's kernel with scales ``s[i]``."""
     if mode == 0 or s is None:
         return torch.mm(x, w)
-    if mode == 1 and x.size(0) >= amx_rows:
-        return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
     return torch.ops.dmtd.linear(x, w, s[i], mode)
 
 
@@ -75,7 +72,6 @@ def _decode_layers(
     mode: int = 0,  # 0: dense input-major weights; else packed (dmtd.engine.lowbit) with these scales:
     s_qkv: Optional[List[torch.Tensor]] = None, s_o: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
     s_gu: Optional[List[torch.Tensor]] = None, s_down: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
-    amx_rows: int = 1 << 62,
     row_loop: int = 8,  # shared chunks of up to this many rows attend row by row
     attend: bool = False,  # attention by dmtd::attend (kernels/attend.h): every row alone, one call a layer
 ) -> torch.Tensor:
@@ -100,7 +96,7 @@ def _decode_layers(
         att_slots = slots
         att_lens = pos + 1
     for i in range(len(ln1)):
-        y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode, amx_rows)
+        y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode)
         if qkv_bias is not None:
             y = y + qkv_bias[i]
         y = y.view(B, nh + 2 * nkv, hd)
@@ -126,9 +122,9 @@ def _decode_layers(
         else:
             a = _torch_attention(q, kc[i], vc[i], slots, s0, B, one, shared, contiguous, read_len, mask, nkv, g, hd,
                                  scale, row_loop).to(h.dtype)
-        h = h + _lin(a, o[i], s_o, i, mode, amx_rows)
-        gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode, amx_rows)
-        h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode, amx_rows)
+        h = h + _lin(a, o[i], s_o, i, mode)
+        gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)
+        h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode)
     return h
 
 

@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 import dmtd.engine.ops  # noqa: F401 — defines the dmtd::linear schema
 from dmtd.engine.config import ConfigError
-from dmtd.engine.ops import AMX_MIN_ROWS, simd_kernels
+from dmtd.engine.ops import cpu_paths, kernel_path, simd_kernels
 
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
@@ -53,8 +52,20 @@ class KernelUnavailable(ConfigError):
     """The low-bit kernels cannot be built or run on this machine."""
 
 
-def _build_dir() -> Path:
-    """One build directory per kernel source, CPU, torch version and torch installation: the compile command
+# the compiler's flags per path: -march=native with the instructions of the faster paths turned off, so that a
+# developer on any machine builds and tests every path the CPU has (DMTD_KERNEL_PATH)
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+PATH_FLAGS: dict[str, list[str]] = {
+    "amx": ["-march=native"],
+    "avx512": ["-march=native", *_NO_AMX],
+    "avx2": ["-march=native", "-mno-avx512f", *_NO_AMX],
+    "portable": ["-march=x86-64"] if os.uname().machine == "x86_64" else ["-march=native"],
+}
+PATH_CODES = {"amx": 3, "avx512": 2, "avx2": 1, "portable": 0}
+
+
+def _build_dir(path: str) -> Path:
+    """One build directory per kernel source, path, CPU, torch version and torch installation: the compile command
     names the installation's include paths, so two virtual environments sharing one directory would each
     see the other's build as stale and recompile it (30-40 s, under a file lock) at every start."""
     flags = ""
@@ -64,10 +75,10 @@ def _build_dir() -> Path:
     except OSError:
         pass
     sources = b"".join(f.read_bytes() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h"))
-    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode()
+    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + " ".join(PATH_FLAGS[path]).encode()
                          + str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:16]
     root = Path(os.environ.get("DMTD_CACHE", Path.home() / ".cache" / "dmtd"))
-    return root / "kernels" / f"lowbit-{key}"
+    return root / "kernels" / f"lowbit-{path}-{key}"
 
 
 def load_kernels() -> None:
@@ -80,7 +91,10 @@ def load_kernels() -> None:
             try:
                 from torch.utils import cpp_extension
 
-                build = _build_dir()
+                path = kernel_path()
+                if path not in cpu_paths():
+                    raise KernelUnavailable(f"DMTD_KERNEL_PATH={path}: this CPU runs only {', '.join(cpu_paths())}")
+                build = _build_dir(path)
                 build.mkdir(parents=True, exist_ok=True)
                 if not any(build.glob("*.so")):
                     print(f"compiling the low-bit kernels for this CPU (once; {build}) ...", file=sys.stderr)
@@ -91,13 +105,24 @@ def load_kernels() -> None:
                     fcntl.flock(guard, fcntl.LOCK_EX)
                     (build / "lock").unlink(missing_ok=True)
                     cpp_extension.load(name="dmtd_lowbit", sources=[str(SOURCE)], build_directory=str(build),
-                                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                       extra_cflags=["-O3", *PATH_FLAGS[path], "-fopenmp"],
                                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                built = int(torch.ops.dmtd.kernel_path(torch.empty(0)))
+                if built != PATH_CODES[path]:
+                    raise KernelUnavailable(f"the {path} build reports path code {built} (-1: AMX refused)")
                 _loaded = True
             except Exception as e:  # noqa: BLE001 — no compiler, no ninja, a build error: all mean "not here"
                 _loaded, _load_error = False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
         if not _loaded:
             raise KernelUnavailable(f"the low-bit kernels cannot be built on this machine ({_load_error})")
+
+
+def loaded_path() -> str | None:
+    """The kernel path loaded in this process (None: none loaded)."""
+    if not _loaded:
+        return None
+    code = int(torch.ops.dmtd.kernel_path(torch.empty(0)))
+    return next(p for p, c in PATH_CODES.items() if c == code)
 
 
 def kernels_loaded() -> bool:
@@ -128,8 +153,6 @@ class PackedWeight:
         return MODES[self.fmt]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "bf16" and x.numel() >= AMX_MIN_ROWS * self.in_features:  # dmtd.engine.ops
-            return F.linear(x.to(torch.bfloat16), self.data).to(x.dtype)
         if not _loaded:
             load_kernels()
         return torch.ops.dmtd.linear(x, self.data, self.scales, self.mode)

@@ -18,7 +18,6 @@ from torch import nn
 
 from dmtd.engine.config import ConfigError, DMTDConfig, ModelConfig
 from dmtd.engine.decode_kernel import decode_layers
-from dmtd.engine.ops import AMX_MIN_ROWS
 from dmtd.engine.rope import apply_rope, rope_tables
 
 
@@ -29,7 +28,12 @@ def project(x: torch.Tensor, w: Any) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Written out (not F.rms_norm): on CPU the fused op decomposes into more, slower kernels.
+    # Written out (not F.rms_norm): on CPU the fused op decomposes into more, slower kernels. Half precision is
+    # normalised in float32: torch's bf16 mean gives a row different bits depending on how many rows share the
+    # call, the float32 one does not (and the exact profile compares rows computed in different batches).
+    if x.dtype in (torch.bfloat16, torch.float16):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -274,7 +278,7 @@ class Transformer(nn.Module):
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         pos = ctx.write_pos
         out = torch.ops.dmtd.rows_layers(x, *cols, cos[pos], sin[pos], ctx.write_slots, pos, cfg.num_heads,
-                                         cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode, AMX_MIN_ROWS)
+                                         cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
         if ctx.write_rows is None:
             return out.view(B, S, H)
         res = flat.clone()
@@ -311,7 +315,7 @@ class Transformer(nn.Module):
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
             mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
-            AMX_MIN_ROWS, self.row_loop, self.attend_kernel and caches[start][0].dtype == torch.float32,
+            self.row_loop, self.attend_kernel and caches[start][0].dtype == torch.float32,
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 

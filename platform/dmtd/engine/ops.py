@@ -22,7 +22,7 @@ _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s
 _LIB.define("rows_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
             "Tensor(b!)[] vc, Tensor cos, Tensor sin, Tensor slots, Tensor pos, int nh, int nkv, int hd, float eps, "
-            "int mode, int amx_rows) -> Tensor")
+            "int mode) -> Tensor")
 # Decode rows' attention over the float32 KV cache, each row alone (kernels/attend.h): q [B, nh, hd] -> [B, nh*hd].
 _LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor lens, float scale) -> Tensor")
 # Each row's first argmax and its softmax probability (greedy picks and checks): logits [n, N] -> (idx, p).
@@ -30,6 +30,8 @@ _LIB.define("top1(Tensor x) -> (Tensor, Tensor)")
 # The AVX2 products' software prefetch distance in bytes (0: none; kernels/lowbit.cpp); returns the one before.
 # ``x``: any CPU tensor (it routes the call to the kernels).
 _LIB.define("set_prefetch(Tensor x, int bytes) -> int")
+# The instruction path the loaded build was compiled for (3 amx, 2 avx512, 1 avx2, 0 portable; -1 AMX refused).
+_LIB.define("kernel_path(Tensor x) -> int")
 
 
 def cpu_flags() -> set[str]:
@@ -42,24 +44,51 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+KERNEL_PATHS: tuple[str, ...] = ("amx", "avx512", "avx2", "portable")
+"""The kernels' instruction paths, fastest first. Each is row-invariant by itself (a row's bits do not depend on the
+rows beside it, their number or the kind of pass); two paths give different bits (``amx`` rounds a bf16 product's
+activations to bf16, the others multiply them in float32)."""
+
+
+def _amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX tiles (it hands out their state on request, from 5.16 on)."""
+    try:
+        import ctypes
+
+        sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86-64
+        return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def cpu_paths(flags: set[str] | None = None) -> list[str]:
+    """The kernel paths this CPU can run, fastest first (``portable`` always)."""
+    flags = cpu_flags() if flags is None else flags
+    paths = []
+    if {"amx_bf16", "amx_tile", "avx512f", "avx512bw"} <= flags and _amx_permitted():
+        paths.append("amx")
+    if "avx512f" in flags:
+        paths.append("avx512")
+    if {"avx2", "fma"} <= flags:
+        paths.append("avx2")
+    return [*paths, "portable"]
+
+
+def kernel_path() -> str:
+    """The path this process builds and loads: ``DMTD_KERNEL_PATH`` (one of :data:`KERNEL_PATHS`, for tests and
+    comparisons; a path the CPU lacks is a ConfigError at load) or the fastest the CPU has."""
+    env = os.environ.get("DMTD_KERNEL_PATH", "").strip().lower()
+    if env in ("", "auto"):
+        return cpu_paths()[0]
+    if env not in KERNEL_PATHS:
+        raise ValueError(f"DMTD_KERNEL_PATH must be auto or one of {', '.join(KERNEL_PATHS)}, got {env!r}")
+    return env
+
+
 def simd_kernels() -> bool:
-    """Whether the CPU has the vector units the kernels are written for: AVX-512, or AVX2 with FMA (where the
-    kernels are ~4x torch's float32 product on a bf16 lm_head at one row, and 2-3 rows cost about one)."""
-    flags = cpu_flags()
-    return "avx512f" in flags or {"avx2", "fma"} <= flags
-
-
-def _amx_min_rows() -> int:
-    """From how many rows a bf16 product goes to torch's own matmul (oneDNN, which tiles it on AMX) instead of
-    the bf16 kernel: 12 on a CPU with AMX-BF16, where torch's matmul measured 1.2x faster at 12 rows, 2.3-2.7x
-    at 32 and ~8x at 512 (scripts/bench_amx_rows.py; the kernel streams the weight once per block of rows and
-    wins at 1-8 rows); never elsewhere (without AMX, small bf16 products ran slower than float32). Its
-    activations and output are rounded to bf16. ``DMTD_AMX_MIN_ROWS`` overrides (0: never)."""
-    env = os.environ.get("DMTD_AMX_MIN_ROWS", "").strip()
-    if env:
-        return int(env) if int(env) > 0 else NEVER
-    return 12 if "amx_bf16" in cpu_flags() else NEVER
-
-
-NEVER = 1 << 62
-AMX_MIN_ROWS: int = _amx_min_rows()
+    """Whether the kernels run vector code here (any path but ``portable``): AVX-512 or AVX2 with FMA, where the
+    kernels are ~4x torch's float32 product on a bf16 lm_head at one row, and 2-3 rows cost about one."""
+    try:
+        return kernel_path() != "portable"
+    except ValueError:
+        return False

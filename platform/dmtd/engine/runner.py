@@ -185,7 +185,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run whole prompts through every layer; logits of each prompt's last position [n, V]."""
+        """Run whole prompts through every layer; logits of each prompt's last position [n, V].
+
+        One prompt at a time: a batch pads its prompts to the longest and masks attention, and the padded length
+        changes the order in which a position's attention is summed; alone, a prompt's KV and logits have the
+        same bits whatever arrived with it (the exact profile compares them with the base model's own).
+        """
+        if len(seqs) > 1:
+            return torch.cat([self.prefill([s]) for s in seqs])
         m, d = self.model, self.dmtd
         lens = [s.num_tokens for s in seqs]
         T = max(lens)

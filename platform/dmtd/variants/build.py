@@ -278,17 +278,12 @@ def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine
 
 
 def variant_precision(variant: str | None, dtype: str | None, quant: str | None, device: str,
-                      search_dirs: list[Path] | None = None, exact: bool | None = None,
-                      one_sequence: bool = False) -> tuple[str, str]:
+                      search_dirs: list[Path] | None = None) -> tuple[str, str]:
     """dtype and quantisation to run: as given, else the variant manifest's recommendation, else auto / none.
 
-    ``auto`` is bfloat16 on a CPU with AVX-512 or AVX2 (:func:`dmtd.engine.lowbit.resolve_dtype`), except for the exact
-    profile (``exact``; None: the variant's default profile) on an engine that batches requests, where it is
-    float32. Verified cycles give the verifier's tokens bit for bit in float32 at any batch; in bfloat16 they do
-    for one sequence at a time (``one_sequence``: a checked position is computed as that position alone —
-    row-independent kernels, row-by-row chunk attention), while across a batch a row's rounding depends on what
-    shares its step. And verified cycles pay in bfloat16, not in float32 (a float32 check over several
-    positions costs far more than one).
+    ``auto`` is bfloat16 on a CPU whose kernels build with vector code (:func:`dmtd.engine.lowbit.resolve_dtype`),
+    for every profile: the kernels are row-invariant on each path, so verified cycles give the verifier's tokens
+    bit for bit at any batch in bfloat16 as in float32.
     """
     from dmtd.engine.lowbit import resolve_dtype
     from dmtd.variants.paths import SHIPPED_VARIANTS
@@ -296,14 +291,8 @@ def variant_precision(variant: str | None, dtype: str | None, quant: str | None,
     manifest = None
     if variant not in (None, "none") and (dtype is None or quant is None):
         manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
-    if variant not in (None, "none") and manifest is None and exact is None:
-        manifest = read_manifest(find_variant(variant, search_dirs or [SHIPPED_VARIANTS]))
     dtype = dtype or (manifest.dtype if manifest is not None else "auto")
     quant = quant or (manifest.quant if manifest is not None else "none")
     if dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    if exact is None:
-        exact = manifest is not None and manifest.default_profile == "exact"
-    if dtype == "auto" and exact and not one_sequence:
-        return "float32", quant
     return resolve_dtype(dtype, device), quant

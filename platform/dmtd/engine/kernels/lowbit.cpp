@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "attend.h"
 
 namespace {
@@ -384,6 +385,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   at::Tensor x32 = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x32.size(0);
   at::Tensor y = at::empty({M, N}, x32.options());
+#if defined(DMTD_AMX)
+  if (mode == BF16) {  // every row count: one summation order per output (amx.h)
+    TORCH_CHECK(dmtd_amx::ready(), "dmtd::linear: this process may not use AMX tiles (arch_prctl refused)");
+    dmtd_amx::linear_bf16(x32.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                          y.data_ptr<float>(), M, K, N);
+    y = y.view(out_shape);
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+#endif
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* sp = mode == BF16 ? nullptr : s.data_ptr<float>();
   const float* xp = x32.data_ptr<float>();
@@ -485,10 +495,8 @@ void swiglu_rows(const float* gp, float* actp, int64_t R, int64_t inter) {
   }
 }
 
-// x · W for the layer loop: the packed kernel, or torch's bf16 matmul (AMX) from amx_rows rows as dmtd.engine's
-// decode loop does
-at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t mode, int64_t amx_rows) {
-  if (mode == BF16 && x.size(0) >= amx_rows) return at::linear(x.to(at::kBFloat16), w).to(at::kFloat).contiguous();
+// x · W for the layer loop
+at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t mode) {
   return linear(x, w, s, mode).contiguous();
 }
 
@@ -497,7 +505,7 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
                             at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
                             at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in,
                             const std::vector<int64_t>& rslots, const std::vector<int64_t>& rpos, int64_t nh,
-                            int64_t nkv, int64_t hd, double eps_d, int64_t mode, int64_t amx_rows,
+                            int64_t nkv, int64_t hd, double eps_d, int64_t mode,
                             const char* op) {
   const int64_t R = h_in.size(0), H = h_in.size(1), L = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(R >= 1 && static_cast<int64_t>(rslots.size()) == R && static_cast<int64_t>(rpos.size()) == R, op,
@@ -530,7 +538,7 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
       TORCH_CHECK(rslots[r] >= 0 && rslots[r] < kc[i].size(0) && rpos[r] >= 0 && rpos[r] < maxlen, op,
                   ": slot or position out of range");
     rms_rows(hp, ln1[i].data_ptr<float>(), xp, R, H, eps);
-    at::Tensor y = project_rows(x, qkv_w[i], qkv_s[i], mode, amx_rows);  // [R, qd + 2 kvd]
+    at::Tensor y = project_rows(x, qkv_w[i], qkv_s[i], mode);  // [R, qd + 2 kvd]
     float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) {
       float* yr = yp + r * (qd + 2 * kvd);
@@ -546,13 +554,13 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
     }
     dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), rslots.data(), rlens.data(), R, nh, nkv,
                       maxlen, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
-    h.add_(project_rows(att, o_w[i], o_s[i], mode, amx_rows));
+    h.add_(project_rows(att, o_w[i], o_s[i], mode));
     rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
-    at::Tensor gu = project_rows(x, gu_w[i], gu_s[i], mode, amx_rows);
+    at::Tensor gu = project_rows(x, gu_w[i], gu_s[i], mode);
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::empty({R, inter}, h.options());
     swiglu_rows(gu.data_ptr<float>(), act.data_ptr<float>(), R, inter);
-    h.add_(project_rows(act, dn_w[i], dn_s[i], mode, amx_rows));
+    h.add_(project_rows(act, dn_w[i], dn_s[i], mode));
   }
   return h.to(h_in.scalar_type());
 }
@@ -571,7 +579,7 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
   std::vector<int64_t> rslots(R, slot), rpos(R);
   for (int64_t r = 0; r < R; ++r) rpos[r] = read_len - R + r;
   return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, cos_in, sin_in,
-                          rslots, rpos, nh, nkv, hd, eps_d, mode, int64_t{1} << 62, "dmtd::draft_layers");
+                          rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::draft_layers");
 }
 
 // Decode rows through a layer group: row r is position positions[r] of KV slot slots[r] (a batch's rows, a check's
@@ -581,7 +589,7 @@ at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLis
                        at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
                        at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in,
                        const at::Tensor& slots_in, const at::Tensor& pos_in, int64_t nh, int64_t nkv, int64_t hd,
-                       double eps_d, int64_t mode, int64_t amx_rows) {
+                       double eps_d, int64_t mode) {
   TORCH_CHECK(h_in.dim() == 2, "dmtd::rows_layers: h [R, H]");
   const at::Tensor sl = slots_in.to(at::kLong).contiguous(), ps = pos_in.to(at::kLong).contiguous();
   const int64_t R = h_in.size(0);
@@ -589,7 +597,7 @@ at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLis
   std::vector<int64_t> rslots(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + R);
   std::vector<int64_t> rpos(ps.data_ptr<int64_t>(), ps.data_ptr<int64_t>() + R);
   return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, cos_in, sin_in,
-                          rslots, rpos, nh, nkv, hd, eps_d, mode, amx_rows, "dmtd::rows_layers");
+                          rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers");
 }
 
 }  // namespace
@@ -688,7 +696,23 @@ int64_t set_prefetch(const at::Tensor& x, int64_t bytes) {
   return g_prefetch.exchange(bytes);
 }
 
+// The instruction path this build was compiled for (dmtd.engine.lowbit.KERNEL_PATHS): 3 AMX (bf16 products on
+// tiles), 2 AVX-512, 1 AVX2 with FMA, 0 plain loops; −1 for an AMX build in a process the OS refuses tiles.
+int64_t kernel_path(const at::Tensor& x) {
+  (void)x;
+#if defined(DMTD_AMX)
+  return dmtd_amx::ready() ? 3 : -1;
+#elif defined(__AVX512F__)
+  return 2;
+#elif defined(DMTD_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY_IMPL(dmtd, CPU, m) {
+  m.impl("kernel_path", &kernel_path);
   m.impl("set_prefetch", &set_prefetch);
   m.impl("attend", &attend);
   m.impl("top1", &top1);

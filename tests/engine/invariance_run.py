@@ -1,0 +1,138 @@
+"""Batch invariance on the kernel path of this process (``DMTD_KERNEL_PATH``), run by test_batch_invariance.py in a
+subprocess per path: one request alone against the same request inside batches of 2..64 companions (mixed prompt
+lengths, τ, phases, profiles, greedy and sampled), for every weight format. Prints one JSON line: the path loaded,
+the cases run and every difference found (tokens, or the bits of the logits that chose an emitted token)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from typing import Any
+
+import torch
+
+from dmtd.engine import lowbit
+from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.model import LayerWeights
+from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.verifier import Verifier
+from tests.engine.test_exact import base_model, prompts_of, variant_of
+
+DMTD = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
+
+
+class Recorder:
+    """The logits row behind each position's prediction, per request, from the runner's prefill, plain decode and
+    verify passes (the passes whose logits choose emitted tokens): ``rows[req_id][q] = (inputs 0..q, logits)``; a
+    position computed again (after a rejected draft) keeps its last computation."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.rows: dict[str, dict[int, tuple[tuple[int, ...], torch.Tensor]]] = {}
+        r = engine.runner
+        prefill, decode, verify = r.prefill, r.decode, r.verify
+
+        def keep(s: Any, inputs: list[int], row: torch.Tensor) -> None:
+            self.rows.setdefault(s.req_id, {})[len(inputs) - 1] = (tuple(inputs), row.detach().float().clone())
+
+        def on_prefill(seqs: list[Any]) -> torch.Tensor:
+            out = prefill(seqs)
+            for i, s in enumerate(seqs):
+                keep(s, list(s.token_ids), out[i])
+            return out
+
+        def on_decode(seqs: list[Any]) -> torch.Tensor:
+            out = decode(seqs)
+            for i, s in enumerate(seqs):
+                keep(s, list(s.token_ids), out[i])
+            return out
+
+        def on_verify(seqs: list[Any]) -> torch.Tensor:
+            inputs = [(list(s.token_ids), list(s.drafts)) for s in seqs]
+            out = verify(seqs)
+            R = out.shape[1]
+            for i, (s, (toks, drafts)) in enumerate(zip(seqs, inputs)):
+                for j in range(len(drafts) + 1):
+                    keep(s, toks + drafts[:j], out[i, R - len(drafts) - 1 + j])
+            return out
+
+        r.prefill, r.decode, r.verify = on_prefill, on_decode, on_verify  # type: ignore[method-assign]
+
+    def final(self, req_id: str, tokens: list[int], prompt_len: int) -> list[torch.Tensor]:
+        """The rows that chose each emitted token, checked to have been computed from the final inputs."""
+        rows = self.rows[req_id]
+        out = []
+        for q in range(prompt_len - 1, len(tokens) - 1):
+            inputs, row = rows[q]
+            assert list(inputs) == tokens[: q + 1], f"position {q}: last computed from other inputs"
+            out.append(row)
+        return out
+
+
+def run(dtype: str, quant: str, dmtd: DMTDConfig, batch: list[tuple[list[int], SamplingParams]],
+        target: int) -> tuple[list[int], list[torch.Tensor]]:
+    base = base_model(5, 0.05)
+    var, verifier = variant_of(base, 0.02, 5)
+    if dtype == "bfloat16":
+        var = var.to(torch.bfloat16)
+        verifier = Verifier(verifier.name, verifier.head_input, [
+            LayerWeights._make(None if t is None else t.to(torch.bfloat16) for t in w) for w in verifier.layers])
+    engine = LLMEngine(var, None, dmtd, EngineConfig(max_num_seqs=64, max_model_len=256, dtype=dtype, quant=quant),
+                       default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    rec = Recorder(engine)
+    ids = [engine.add_request(p, params) for p, params in batch]
+    res: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                res[o.req_id] = list(engine.seqs[o.req_id].token_ids) if o.req_id in engine.seqs else []
+    seq_tokens = res[ids[target]]
+    prompt = batch[target][0]
+    assert seq_tokens[: len(prompt)] == prompt
+    return seq_tokens[len(prompt):], rec.final(ids[target], seq_tokens, len(prompt))
+
+
+def companions(n: int, rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
+    out = []
+    for i in range(n):
+        prompt = prompts_of([rng.randint(1, 40)], rng.randint(0, 10_000))[0]
+        sampled = rng.random() < 0.3
+        out.append((prompt, SamplingParams(max_new_tokens=rng.randint(1, 16), cycle_len=rng.randint(1, 4),
+                                           exact=rng.random() < 0.5, min_confidence=rng.choice([0.0, 0.3]),
+                                           temperature=0.8 if sampled else 0.0, seed=i if sampled else None)))
+    return out
+
+
+def main() -> None:
+    lowbit.load_kernels()
+    rng = random.Random(0)
+    targets = [SamplingParams(max_new_tokens=20, cycle_len=1), SamplingParams(max_new_tokens=20, cycle_len=3,
+                                                                              exact=True),
+               SamplingParams(max_new_tokens=20, cycle_len=2)]
+    prompt = prompts_of([13], 7)[0]
+    cases, diffs = 0, []
+    # (dtype, quant, phase anchor, batch sizes, targets): bf16 at full width, the low-bit formats narrower
+    plan = [("bfloat16", "none", "prompt_end", (64,), targets), ("bfloat16", "none", "absolute", (9,), targets),
+            ("float32", "int8", "prompt_end", (17,), targets[:2]), ("float32", "int4", "absolute", (5,), targets[1:])]
+    for dtype, quant, anchor, sizes, tgts in plan:
+        dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace", phase_anchor=anchor)
+        for t in tgts:
+            alone_tokens, alone_rows = run(dtype, quant, dmtd, [(prompt, t)], 0)
+            for n in sizes:
+                batch = companions(n - 1, rng)
+                k = rng.randint(0, n - 1)
+                batch.insert(k, (prompt, t))
+                tokens, rows = run(dtype, quant, dmtd, batch, k)
+                cases += 1
+                what = f"{dtype}/{quant} {anchor} τ={t.cycle_len} exact={t.exact} in {n} at {k}"
+                if tokens != alone_tokens:
+                    diffs.append(f"{what}: tokens {tokens} != alone {alone_tokens}")
+                elif len(rows) != len(alone_rows) or not all(torch.equal(a, b) for a, b in zip(rows, alone_rows)):
+                    bad = next((i for i, (a, b) in enumerate(zip(rows, alone_rows)) if not torch.equal(a, b)), -1)
+                    diffs.append(f"{what}: logits bits differ at generated position {bad}")
+    print(json.dumps({"path": lowbit.loaded_path(), "cases": cases, "diffs": diffs}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
