@@ -23,6 +23,7 @@ from dmtd.engine.draft_policy import (
     expected_tokens,
     worth_exploring,
 )
+from dmtd.engine.logits_process import FORCED_SOURCE, LogitsShaper
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
 from dmtd.engine.phrase_table import N, PhraseTable, extension_source
@@ -58,6 +59,8 @@ class LLMEngine:
             eos.append(int(tokenizer.eos_token_id))
         self.eos_ids = set(eos)
         self.seqs: dict[str, Sequence] = {}
+        self.shaper = LogitsShaper(tokenizer, model.config.vocab_size)  # penalties, logit bias, grammars, logprobs
+        self.forced_drafts = True  # a grammar's forced tokens are drafts of exact greedy requests (_forced_drafts)
         self._detok: dict[str, Detokenizer] = {}
         self._gens: dict[str, torch.Generator | None] = {}
         self._draft_q: dict[str, list[torch.Tensor | None]] = {}
@@ -102,7 +105,12 @@ class LLMEngine:
             raise RequestError("request_id", f"{req_id!r} is already in use")
         tau = params.cycle_len if params.cycle_len is not None else self.default_cycle_len
         seq = Sequence(req_id, self.encode(prompt), params, cycle_len=tau)
-        self.scheduler.add(seq)
+        self.shaper.add(req_id, params)
+        try:
+            self.scheduler.add(seq)
+        except RequestError:
+            self.shaper.drop(req_id)
+            raise
         if params.exact and self.runner.verify_kv is None:
             self.runner.enable_exact()
             # before any draft is measured, a tail costs the share of weight bytes it reads, plus its pass's fixed
@@ -131,6 +139,7 @@ class LLMEngine:
         self._detok.pop(req_id, None)
         self._gens.pop(req_id, None)
         self._draft_q.pop(req_id, None)
+        self.shaper.drop(req_id)
         if seq is None or seq.finished:
             return False
         self.scheduler.finish(seq, "abort")
@@ -161,6 +170,8 @@ class LLMEngine:
                     self._choose_drafts(s)
                     uncertain = conf.get(s.req_id, 1.0) < s.params.min_confidence
                     s.draft_done = s.max_drafts(self.cfg.max_model_len) == 0 or uncertain
+                    if s.status is SequenceStatus.RUNNING:
+                        self._forced_drafts(s)
                     if s.status is SequenceStatus.RUNNING and not uncertain:
                         self._context_drafts(s)
             return results
@@ -193,7 +204,10 @@ class LLMEngine:
     def _sampled(self, out: SchedulerOutput, logits: torch.Tensor, advance_clock: bool = True) -> list[StepOutput]:
         """Sample one token per row of a prefill or plain decode batch, then apply the step."""
         seqs = out.seqs
+        logits = self.shaper.rows(logits, seqs)
         tokens, confs, finite = sample(logits, [s.params for s in seqs], [self._gens.get(s.req_id) for s in seqs])
+        for i, s in enumerate(seqs):
+            self.shaper.record(s.req_id, s.params, logits[i: i + 1], tokens[i: i + 1])
         results = self._fail([s for s, ok in zip(seqs, finite) if not ok])
         if len(results):
             keep = [i for i, ok in enumerate(finite) if ok]
@@ -232,6 +246,17 @@ class LLMEngine:
                                         self.phrase_table)
         if pick:
             seq.drafts, seq.draft_done, seq.context_ngram = pick, True, n
+
+    def _forced_drafts(self, seq: Sequence) -> None:
+        """Exact greedy requests with a grammar: the tokens the grammar forces from here (a single legal way on)
+        are this cycle's drafts, before any other source: no pass makes them, and the verifier's masked row
+        accepts them unless it tokenises the same text otherwise (counted under ``FORCED_SOURCE``)."""
+        p = seq.params
+        if not (self.forced_drafts and p.exact and p.greedy and p.grammar is not None) or seq.drafts:
+            return
+        forced = self.shaper.forced(seq.req_id)[: seq.draft_room(self.cfg.max_model_len)]
+        if forced:
+            seq.drafts, seq.draft_done, seq.context_ngram = forced, True, FORCED_SOURCE
 
     def _extend_drafts(self, seq: Sequence) -> None:
         """With a phrase table (and context drafts on): the tails' finished drafts go on with the table's
@@ -291,9 +316,13 @@ class LLMEngine:
         R = logits.shape[1]
         results: list[StepOutput] = []
         for i, s in enumerate(seqs):
-            m = len(s.drafts)
-            c = check_drafts(logits[i, R - m - 1:], s.drafts, self._draft_q.pop(s.req_id, []), self.runner.draft_ids,
-                             s.params, self._gens.get(s.req_id))
+            rows, m = self.shaper.check_rows(logits[i, R - len(s.drafts) - 1:], s)
+            if m < len(s.drafts):  # the grammar forbids a draft: the drafts end with it
+                s.num_extended = max(0, s.num_extended - (len(s.drafts) - m))
+                del s.drafts[m:]
+            c = check_drafts(rows, s.drafts, self._draft_q.pop(s.req_id, [])[:m], self.runner.draft_ids, s.params,
+                             self._gens.get(s.req_id))
+            self.shaper.record(s.req_id, s.params, rows, c.tokens)
             if not c.finite:
                 results += self._fail([s])
                 continue
@@ -320,6 +349,8 @@ class LLMEngine:
                 last.num_context_drafted, last.num_context_accepted = extended, max(0, accepted - tails)
                 if accepted >= tails:
                     context_drafts.count(self.context_by_pos, ext_source, extended, accepted - tails)
+            if not last.finished:
+                self._forced_drafts(s)
             if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
                 self._context_drafts(s)
         self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
@@ -365,6 +396,9 @@ class LLMEngine:
                         seq.block, seq.block_confidences = [], []
         res = StepOutput(ev.req_id, ev.token_id, ev.is_head, ev.confidence, delta, ev.block, ev.block_confidences,
                          seq.cycle_len, ev.finished, ev.finish_reason)
+        lp = self.shaper.emitted(ev.req_id, ev.token_id)
+        if not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):  # an EOS that ends the text is no text
+            res.logprob = lp
         if ev.finished:
             self._forget(ev.req_id, keep_seq=True)
         return res
@@ -383,6 +417,7 @@ class LLMEngine:
     def _forget(self, req_id: str, keep_seq: bool = False) -> None:
         self._gens.pop(req_id, None)
         self._draft_q.pop(req_id, None)
+        self.shaper.drop(req_id)
         if not keep_seq:
             self.seqs.pop(req_id, None)
             self._detok.pop(req_id, None)
@@ -427,6 +462,8 @@ class LLMEngine:
                     r.head_flags.append(o.is_head)
                     r.confidences.append(o.confidence)
                 r.text += o.text_delta
+                if o.logprob is not None:
+                    r.logprobs.append(o.logprob)
                 if o.block:
                     r.blocks.append(o.block)
                 if o.finished:

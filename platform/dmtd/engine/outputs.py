@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# one emitted token's log-probability: (token id, its bytes, log p, the most likely tokens as (id, bytes, log p))
+TokenLogprob = tuple[int, bytes, float, list[tuple[int, bytes, float]]]
+
 
 class Detokenizer:
     """Incremental, UTF-8-safe detokenization (holds back a trailing partial character)."""
@@ -48,6 +51,7 @@ class StepOutput:
     num_accepted: int = 0
     num_context_drafted: int = 0  # of them, drafts not from the tails (prompt lookup, the phrase table)
     num_context_accepted: int = 0
+    logprob: TokenLogprob | None = None  # with SamplingParams.logprobs: this token's (dmtd.engine.logits_process)
 
 
 @dataclass(slots=True)
@@ -68,6 +72,7 @@ class GenerationResult:
     drafted_by_pos: list[int] = field(default_factory=list)
     num_context_drafted: int = 0
     num_context_accepted: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float | None:

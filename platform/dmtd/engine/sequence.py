@@ -20,6 +20,7 @@ class RequestError(ValueError):
 # 3 tokens matched 60 times in 735 tokens, 140 of 240 drafts right; 3 else 2: 90 matches, 169 of 360 right)
 CONTEXT_NGRAMS = (3, 2)
 
+MAX_TOP_LOGPROBS = 20
 TEMPERATURE_FLOOR = 1e-2  # below it logits / T overflow float32 (1e-37 gave garbage): such temperatures are greedy
 
 
@@ -38,6 +39,13 @@ class SamplingParams:
     cycle_len: int | None = None  # τ; None = the variant's default
     min_confidence: float = 0.0  # the gate; with ``exact`` it only stops drafting
     exact: bool = False  # verified cycles: tails are drafts the next head checks; output = the verifier's
+    # the request's shaping of the logits its tokens are drawn from (dmtd.engine.logits_process)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # llguidance's JSON form of a grammar the output must match (dmtd.engine.grammar)
+    logprobs: int | None = None  # each emitted token's log-probability and this many most likely ones (0..20)
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -54,6 +62,16 @@ class SamplingParams:
             raise RequestError("min_confidence", f"must be in [0, 1], got {self.min_confidence}")
         if any(not s for s in self.stop):
             raise RequestError("stop", "stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise RequestError(name, f"must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
+            raise RequestError("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for b in self.logit_bias.values()):
+            raise RequestError("logit_bias", "biases must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
