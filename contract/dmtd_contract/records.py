@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# one token's log-probability: (token id, its bytes, log p, the most likely tokens as (id, bytes, log p))
+TokenLogprob = tuple[int, bytes, float, list[tuple[int, bytes, float]]]
+
 
 @dataclass(slots=True)
 class ReplicaRequest:
@@ -41,6 +44,13 @@ class ReplicaRequest:
     # request's secret there); empty: the blocks come back as the Serve call's streamed items
     push_to: str = ""
     push_token: str = ""
+    # the request's shaping of the logits its tokens are drawn from (the verifier's, for exact requests)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias)
+    grammar: str = ""  # the output must match it (llguidance's JSON grammar form); "" = free text
+    logprobs: int = -1  # >= 0: each token's log-probability and this many most likely alternatives; -1: none
 
 
 @dataclass(slots=True)
@@ -89,3 +99,4 @@ class Block:
     # CPU time of the engine's thread in those steps: ``step_ms`` minus it is time the thread was runnable
     # but preempted, or waiting (for the GIL, for the event loop to hand it the next step)
     step_cpu_ms: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked for them

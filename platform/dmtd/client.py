@@ -30,14 +30,21 @@ def build_request(prompt: str | None = None, messages: Sequence[dict[str, str]] 
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tau_min: int = 0, tau_max: int = 0, min_confidence: float | None = None,
                   profile: str = "", min_block_tokens: int = 0, flush_interval_ms: int = 0,
-                  request_id: str = "", ignore_eos: bool = False) -> pb.GenerateRequest:
+                  request_id: str = "", ignore_eos: bool = False, logprobs: int | None = None,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 0.0,
+                  logit_bias: dict[int, float] | None = None, json_schema: str = "") -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=request_id, variant=variant, max_new_tokens=max_new_tokens, stop=list(stop),
         stop_token_ids=list(stop_token_ids), min_block_tokens=min_block_tokens,
         flush_interval_ms=flush_interval_ms, ignore_eos=ignore_eos,
-        sampling=pb.SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p),
+        sampling=pb.SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p,
+                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                    repetition_penalty=repetition_penalty, logit_bias=logit_bias or {}),
         cycle=pb.CyclePreferences(tau_min=tau_min, tau_max=tau_max, profile=PROFILES[profile]),
+        json_schema=json_schema,
     )
+    if logprobs is not None:
+        req.logprobs = logprobs
     if seed is not None:
         req.sampling.seed = seed
     if min_confidence is not None:

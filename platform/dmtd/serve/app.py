@@ -5,31 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
 from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig
 from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
-from dmtd.serve.openai_api import (
-    completion_chunk,
-    completion_response,
-    error_body,
-    install_openapi,
-    read_body,
-    usage_chunk,
-)
-from dmtd.serve.openai_models import openai_field, openai_text, parse_body
+from dmtd.serve.openai_api import error_body, install_openapi, model_profile, read_body
+from dmtd.serve.openai_models import expand, openai_field, openai_text, parse_body
+from dmtd.serve.openai_route import OpenAIResponder
 from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
@@ -45,7 +37,6 @@ from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.web import asset_path
-from dmtd_contract.records import Block
 
 # no /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json stays
 http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas", docs_url=None,
@@ -222,7 +213,7 @@ class Gateway:
 
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Any:
-        data = [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd"}
+        data = [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd", "dmtd": model_profile(i)}
                 for i in self.core.router.infos() if i.get("status", "active") == "active"]
         return self._refused(request) or {"object": "list", "data": data}
 
@@ -252,27 +243,8 @@ class Gateway:
         except GatewayError as e:
             return self._error(e, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        blocks = aiter(self.core.stream(route, req, traceparent=request.headers.get("traceparent")))
-        if body.stream:
-            try:  # the first block before the headers: a refusal is a real status code, not an event after 200
-                first = await anext(blocks)
-            except GatewayError as e:
-                return self._error(e, chat)
-            except StopAsyncIteration:
-                first = None
-            with_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(blocks, first, rid, route.name, chat, with_usage),
-                                     media_type="text/event-stream")
-        text: list[str] = []
-        finish: str | None = None
-        usage: dict[str, int] = {}
-        try:
-            async for b in blocks:
-                text.append(b.text)
-                finish, usage = b.finish_reason, b.usage.as_dict() if b.usage else usage
-        except GatewayError as e:
-            return self._error(e, chat)
-        return completion_response(rid, route.name, chat, "".join(text), finish, usage)
+        responder = OpenAIResponder(self.core, route, body, expand(req, body.n or 1), chat, rid, self._error)
+        return await responder.respond(request.headers.get("traceparent"))
 
     @staticmethod
     def _error(e: GatewayError, chat: bool = False) -> JSONResponse:
@@ -284,34 +256,6 @@ class Gateway:
             message = f"{param}: {openai_text(message.removeprefix(e.field + ': '))}"
         kind = "invalid_request_error" if status == 400 else e.code.name.lower()
         return JSONResponse(error_body(message, kind, param), status, headers=headers)
-
-    @staticmethod
-    async def _sse(blocks: AsyncIterator[Block], head: Block | None, rid: str, model: str,
-                   chat: bool, include_usage: bool = False) -> AsyncIterator[str]:
-        async def chained() -> AsyncIterator[Block]:
-            if head is not None:
-                yield head
-            async for b in blocks:
-                yield b
-
-        first = True
-        usage: dict[str, int] | None = None
-        try:
-            async for b in chained():
-                finish = b.finish_reason
-                usage = b.usage.as_dict() if b.usage else usage
-                if b.text or finish or first:
-                    yield completion_chunk(rid, model, chat, b.text, finish, first)
-                    first = False
-        except GatewayError as e:  # a failure after the first block (e.g. the replica went away)
-            yield f"data: {json.dumps(error_body(str(e), e.code.name.lower()))}\n\n"
-        finally:
-            close = getattr(blocks, "aclose", None)
-            if close is not None:
-                await close()
-        if include_usage and usage is not None:
-            yield usage_chunk(rid, model, chat, usage)
-        yield "data: [DONE]\n\n"
 
 
 def _sink_host(setting: str, grpc_host: str) -> str:

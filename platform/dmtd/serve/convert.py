@@ -25,6 +25,7 @@ def merge_blocks(blocks: list[Block]) -> Block:
     return replace(last, token_ids=tokens, text="".join(b.text for b in blocks), k=len(tokens),
                    block_index=first.block_index, queue_ms=first.queue_ms, block_ms=sum(b.block_ms for b in blocks),
                    num_drafted=sum(b.num_drafted for b in blocks), num_accepted=sum(b.num_accepted for b in blocks),
+                   logprobs=[e for b in blocks for e in b.logprobs],
                    confidence=(min(b.confidence[0] for b in blocks),
                                sum(b.confidence[1] * max(b.k, 1) for b in blocks) / n,
                                max(b.confidence[2] for b in blocks)))
@@ -79,6 +80,9 @@ def to_token_block(b: Block, variant: str, ttft_ms: float | None) -> pb.TokenBlo
         timings=pb.Timings(ttft_ms=ttft_ms or 0.0, block_ms=b.block_ms, queue_ms=b.queue_ms),
         variant=variant, replica=b.replica, num_drafted=b.num_drafted, num_accepted=b.num_accepted,
         verifier=b.verifier,
+        logprobs=[pb.TokenLogprob(token_id=e[0], token=bytes(e[1]), logprob=e[2],
+                                  top=[pb.TopLogprob(token_id=t[0], token=bytes(t[1]), logprob=t[2]) for t in e[3]])
+                  for e in b.logprobs],
     )
     if b.finish_reason:
         msg.finish_reason = FINISH.get(b.finish_reason, pb.FINISH_REASON_ERROR)

@@ -18,7 +18,7 @@ from dmtd.engine.llm import LLMEngine
 from dmtd.engine.outputs import StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.errors import ReplicaInternalError, RequestFailed
-from dmtd_contract.records import Block, ReplicaRequest
+from dmtd_contract.records import Block, ReplicaRequest, TokenLogprob
 
 log = logging.getLogger("dmtd.replica")
 
@@ -52,6 +52,7 @@ class Live:
     ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
     last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
     push: tuple[str, str] | None = None  # (sink address, token): blocks go to the gateway's sink (dmtd.serve.push)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last block
 
 
 @dataclass

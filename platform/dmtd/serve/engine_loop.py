@@ -211,7 +211,10 @@ class EngineLoop:
             params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
                                     stop=list(r.stop), ignore_eos=r.ignore_eos, cycle_len=tau, min_confidence=conf,
-                                    exact=r.profile == "exact")
+                                    exact=r.profile == "exact", presence_penalty=r.presence_penalty,
+                                    frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
+                                    logit_bias={int(t): float(b) for t, b in r.logit_bias}, grammar=r.grammar or None,
+                                    logprobs=r.logprobs if r.logprobs >= 0 else None)
         except Exception as e:
             self._reject(rid, e)
             return None
@@ -332,6 +335,8 @@ class EngineLoop:
         if live is None:
             return
         live.text.append(o.text_delta)
+        if o.logprob is not None:
+            live.logprobs.append(o.logprob)
         if o.token_id >= 0:
             live.num_tokens += 1
             live.num_heads += o.is_head
@@ -349,9 +354,9 @@ class EngineLoop:
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
             num_drafted=o.num_drafted, num_accepted=o.num_accepted, step_ms=live.step_ms,
-            step_cpu_ms=live.step_cpu_ms,
+            step_cpu_ms=live.step_cpu_ms, logprobs=live.logprobs,
         )
-        live.text, live.t_last, live.step_ms, live.step_cpu_ms = [], now, 0.0, 0.0
+        live.text, live.t_last, live.step_ms, live.step_cpu_ms, live.logprobs = [], now, 0.0, 0.0, []
         live.block_index += 1
         if self.telemetry is not None:
             cut = seq is not None and seq.cycles_cut > live.cycles_cut

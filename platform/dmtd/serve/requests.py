@@ -19,6 +19,9 @@ MAX_NEW_TOKENS_LIMIT = 4096
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_GRAMMAR_CHARS = 1 << 17
 
 
 class Limits(BaseModel):
@@ -54,6 +57,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "top_p": _NUM, "seed": (int, type(None)), "stop": (list,), "stop_token_ids": (list,), "ignore_eos": (bool,),
     "tau_min": (int,), "tau_max": (int,), "min_confidence": (*_NUM, type(None)), "profile": (str,),
     "arrival_s": _NUM, "traceparent": (str,), "sent_s": _NUM, "push_to": (str,), "push_token": (str,),
+    "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM, "logit_bias": (list,),
+    "grammar": (str,), "logprobs": (int,),
 }
 
 
@@ -71,6 +76,10 @@ def check_types(req: ReplicaRequest) -> ReplicaRequest:
         for i, v in enumerate(values):
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise InvalidRequest(f"{name}[{i}]", f"must be of type {kind.__name__}, got {type(v).__name__}")
+    for i, pair in enumerate(req.logit_bias):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], int)
+                and isinstance(pair[1], _NUM) and not isinstance(pair[0], bool)):
+            raise InvalidRequest(f"logit_bias[{i}]", "must be a (token id, bias) pair")
     for i, m in enumerate(req.messages or []):
         if set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
             raise InvalidRequest(f"chat.messages[{i}]", "must be {role: str, content: str}")
@@ -118,6 +127,24 @@ def _check_input(req: ReplicaRequest, limits: Limits) -> None:
         raise InvalidRequest("prompt_token_ids", f"at most {chars} token ids, got {len(ids)}")
 
 
+def _check_shaping(req: ReplicaRequest) -> None:
+    _check_range("sampling.presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _check_range("sampling.frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _check_range("sampling.repetition_penalty", req.repetition_penalty, 0.0, 10.0)
+    if req.repetition_penalty == 0.0:
+        raise InvalidRequest("sampling.repetition_penalty", "must be > 0")
+    if len(req.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}")
+    for token, bias in req.logit_bias:
+        if not 0 <= token < 2**31:
+            raise InvalidRequest("logit_bias", f"token ids must be >= 0, got {token}")
+        _check_range("logit_bias", bias, -100.0, 100.0)
+    if not -1 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}")
+    if len(req.grammar) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest("response_format", f"the grammar is at most {MAX_GRAMMAR_CHARS} characters")
+
+
 def validate(req: ReplicaRequest, limits: Limits | None = None) -> ReplicaRequest:
     """Check every field; raise :class:`InvalidRequest` naming the first bad one."""
     _check_input(req, limits or Limits())
@@ -150,6 +177,7 @@ def validate(req: ReplicaRequest, limits: Limits | None = None) -> ReplicaReques
         raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP} ids, got {len(req.stop_token_ids)}")
     if any(t < 0 for t in req.stop_token_ids):
         raise InvalidRequest("stop_token_ids", "must be >= 0")
+    _check_shaping(req)
     if len(req.request_id) > 128:
         raise InvalidRequest("request_id", "at most 128 characters")
     req.request_id = req.request_id or uuid.uuid4().hex
@@ -171,7 +199,14 @@ def from_proto(msg: Any, arrival_s: float, limits: Limits | None = None) -> Repl
         tau_min=c.tau_min, tau_max=c.tau_max,
         min_confidence=c.min_confidence if c.HasField("min_confidence") else None,
         profile=PROFILES.get(c.profile, ""), arrival_s=arrival_s,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=sorted(s.logit_bias.items()),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else -1,
     )
+    if msg.json_schema:
+        from dmtd.serve.structured import schema_text_grammar
+
+        req.grammar = schema_text_grammar(msg.json_schema)
     if msg.min_block_tokens < 0:
         raise InvalidRequest("min_block_tokens", "must be >= 0")
     if msg.flush_interval_ms < 0:

@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64mtd/v1/generate.proto\x12\x07\x64mtd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.dmtd.v1.ChatMessage\"`\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x8c\x01\n\x10\x43yclePreferences\x12\x0f\n\x07tau_min\x18\x01 \x01(\x05\x12\x0f\n\x07tau_max\x18\x02 \x01(\x05\x12\x1b\n\x0emin_confidence\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12&\n\x07profile\x18\x04 \x01(\x0e\x32\x15.dmtd.v1.CycleProfileB\x11\n\x0f_min_confidence\"\xd5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.dmtd.v1.ChatMessagesH\x00\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.dmtd.v1.SamplingOptions\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12(\n\x05\x63ycle\x18\t \x01(\x0b\x32\x19.dmtd.v1.CyclePreferences\x12\x18\n\x10min_block_tokens\x18\n \x01(\x05\x12\x19\n\x11\x66lush_interval_ms\x18\x0b \x01(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\x07\n\x05input\";\n\x11\x43onfidenceSummary\x12\x0b\n\x03min\x18\x01 \x01(\x02\x12\x0c\n\x04mean\x18\x02 \x01(\x02\x12\x0b\n\x03max\x18\x03 \x01(\x02\">\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08\x62lock_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\"\x9d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\x12\r\n\x05heads\x18\x04 \x01(\x05\x12\x12\n\ncycles_cut\x18\x05 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\x05\"\x85\x03\n\nTokenBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\x05\x12\t\n\x01k\x18\x05 \x01(\x05\x12\x0b\n\x03tau\x18\x06 \x01(\x05\x12\x16\n\x0emin_confidence\x18\x07 \x01(\x02\x12.\n\nconfidence\x18\x08 \x01(\x0b\x32\x1a.dmtd.v1.ConfidenceSummary\x12!\n\x07timings\x18\t \x01(\x0b\x32\x10.dmtd.v1.Timings\x12,\n\rfinish_reason\x18\n \x01(\x0e\x32\x15.dmtd.v1.FinishReason\x12\x1d\n\x05usage\x18\x0b \x01(\x0b\x32\x0e.dmtd.v1.Usage\x12\x0f\n\x07variant\x18\x0c \x01(\t\x12\x0f\n\x07replica\x18\r \x01(\t\x12\x13\n\x0bnum_drafted\x18\x0e \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x0f \x01(\x05\x12\x10\n\x08verifier\x18\x10 \x01(\t\"\xf8\x02\n\x0bVariantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x16\n\x0etraffic_weight\x18\x04 \x01(\x01\x12\x0f\n\x07tau_min\x18\x05 \x01(\x05\x12\x0f\n\x07tau_max\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x66\x61ult_tau\x18\x07 \x01(\x05\x12\x16\n\x0emin_confidence\x18\x08 \x01(\x02\x12\x1b\n\x13num_encoding_layers\x18\t \x01(\x05\x12\x1b\n\x13num_thinking_layers\x18\n \x01(\x05\x12\x1b\n\x13num_decoding_layers\x18\x0b \x01(\x05\x12\x14\n\x0cphase_anchor\x18\x0c \x01(\t\x12\x12\n\nhead_input\x18\r \x01(\t\x12\x10\n\x08revision\x18\x0e \x01(\x03\x12\x12\n\nis_default\x18\x0f \x01(\x08\x12\x17\n\x0f\x64\x65\x66\x61ult_profile\x18\x10 \x01(\t\x12\x10\n\x08verifier\x18\x11 \x01(\t\"\x15\n\x13ListVariantsRequest\"Y\n\x14ListVariantsResponse\x12&\n\x08variants\x18\x01 \x03(\x0b\x32\x14.dmtd.v1.VariantInfo\x12\x19\n\x11registry_revision\x18\x02 \x01(\x03\"!\n\x11GetVariantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t*\xb2\x01\n\x0c\x43ycleProfile\x12\x1d\n\x19\x43YCLE_PROFILE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43YCLE_PROFILE_QUALITY\x10\x01\x12\x1a\n\x16\x43YCLE_PROFILE_BALANCED\x10\x02\x12\x17\n\x13\x43YCLE_PROFILE_SPEED\x10\x03\x12\x17\n\x13\x43YCLE_PROFILE_EXACT\x10\x04\x12\x1a\n\x16\x43YCLE_PROFILE_ADAPTIVE\x10\x05*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xdb\x01\n\x0fGenerateService\x12;\n\x08Generate\x12\x18.dmtd.v1.GenerateRequest\x1a\x13.dmtd.v1.TokenBlock0\x01\x12K\n\x0cListVariants\x12\x1c.dmtd.v1.ListVariantsRequest\x1a\x1d.dmtd.v1.ListVariantsResponse\x12>\n\nGetVariant\x12\x1a.dmtd.v1.GetVariantRequest\x1a\x14.dmtd.v1.VariantInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64mtd/v1/generate.proto\x12\x07\x64mtd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.dmtd.v1.ChatMessage\"\xa0\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12;\n\nlogit_bias\x18\x08 \x03(\x0b\x32\'.dmtd.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x8c\x01\n\x10\x43yclePreferences\x12\x0f\n\x07tau_min\x18\x01 \x01(\x05\x12\x0f\n\x07tau_max\x18\x02 \x01(\x05\x12\x1b\n\x0emin_confidence\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12&\n\x07profile\x18\x04 \x01(\x0e\x32\x15.dmtd.v1.CycleProfileB\x11\n\x0f_min_confidence\"\x8e\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.dmtd.v1.ChatMessagesH\x00\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.dmtd.v1.SamplingOptions\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12(\n\x05\x63ycle\x18\t \x01(\x0b\x32\x19.dmtd.v1.CyclePreferences\x12\x18\n\x10min_block_tokens\x18\n \x01(\x05\x12\x19\n\x11\x66lush_interval_ms\x18\x0b \x01(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\tB\x07\n\x05inputB\x0b\n\t_logprobs\";\n\x11\x43onfidenceSummary\x12\x0b\n\x03min\x18\x01 \x01(\x02\x12\x0c\n\x04mean\x18\x02 \x01(\x02\x12\x0b\n\x03max\x18\x03 \x01(\x02\">\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08\x62lock_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\"\x9d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\x12\r\n\x05heads\x18\x04 \x01(\x05\x12\x12\n\ncycles_cut\x18\x05 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12 \n\x03top\x18\x04 \x03(\x0b\x32\x13.dmtd.v1.TopLogprob\"\xae\x03\n\nTokenBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\x05\x12\t\n\x01k\x18\x05 \x01(\x05\x12\x0b\n\x03tau\x18\x06 \x01(\x05\x12\x16\n\x0emin_confidence\x18\x07 \x01(\x02\x12.\n\nconfidence\x18\x08 \x01(\x0b\x32\x1a.dmtd.v1.ConfidenceSummary\x12!\n\x07timings\x18\t \x01(\x0b\x32\x10.dmtd.v1.Timings\x12,\n\rfinish_reason\x18\n \x01(\x0e\x32\x15.dmtd.v1.FinishReason\x12\x1d\n\x05usage\x18\x0b \x01(\x0b\x32\x0e.dmtd.v1.Usage\x12\x0f\n\x07variant\x18\x0c \x01(\t\x12\x0f\n\x07replica\x18\r \x01(\t\x12\x13\n\x0bnum_drafted\x18\x0e \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x0f \x01(\x05\x12\x10\n\x08verifier\x18\x10 \x01(\t\x12\'\n\x08logprobs\x18\x11 \x03(\x0b\x32\x15.dmtd.v1.TokenLogprob\"\xf8\x02\n\x0bVariantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x16\n\x0etraffic_weight\x18\x04 \x01(\x01\x12\x0f\n\x07tau_min\x18\x05 \x01(\x05\x12\x0f\n\x07tau_max\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x66\x61ult_tau\x18\x07 \x01(\x05\x12\x16\n\x0emin_confidence\x18\x08 \x01(\x02\x12\x1b\n\x13num_encoding_layers\x18\t \x01(\x05\x12\x1b\n\x13num_thinking_layers\x18\n \x01(\x05\x12\x1b\n\x13num_decoding_layers\x18\x0b \x01(\x05\x12\x14\n\x0cphase_anchor\x18\x0c \x01(\t\x12\x12\n\nhead_input\x18\r \x01(\t\x12\x10\n\x08revision\x18\x0e \x01(\x03\x12\x12\n\nis_default\x18\x0f \x01(\x08\x12\x17\n\x0f\x64\x65\x66\x61ult_profile\x18\x10 \x01(\t\x12\x10\n\x08verifier\x18\x11 \x01(\t\"\x15\n\x13ListVariantsRequest\"Y\n\x14ListVariantsResponse\x12&\n\x08variants\x18\x01 \x03(\x0b\x32\x14.dmtd.v1.VariantInfo\x12\x19\n\x11registry_revision\x18\x02 \x01(\x03\"!\n\x11GetVariantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t*\xb2\x01\n\x0c\x43ycleProfile\x12\x1d\n\x19\x43YCLE_PROFILE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43YCLE_PROFILE_QUALITY\x10\x01\x12\x1a\n\x16\x43YCLE_PROFILE_BALANCED\x10\x02\x12\x17\n\x13\x43YCLE_PROFILE_SPEED\x10\x03\x12\x17\n\x13\x43YCLE_PROFILE_EXACT\x10\x04\x12\x1a\n\x16\x43YCLE_PROFILE_ADAPTIVE\x10\x05*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xdb\x01\n\x0fGenerateService\x12;\n\x08Generate\x12\x18.dmtd.v1.GenerateRequest\x1a\x13.dmtd.v1.TokenBlock0\x01\x12K\n\x0cListVariants\x12\x1c.dmtd.v1.ListVariantsRequest\x1a\x1d.dmtd.v1.ListVariantsResponse\x12>\n\nGetVariant\x12\x1a.dmtd.v1.GetVariantRequest\x1a\x14.dmtd.v1.VariantInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dmtd.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CYCLEPROFILE']._serialized_start=1928
-  _globals['_CYCLEPROFILE']._serialized_end=2106
-  _globals['_FINISHREASON']._serialized_start=2109
-  _globals['_FINISHREASON']._serialized_end=2258
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_CYCLEPROFILE']._serialized_start=2383
+  _globals['_CYCLEPROFILE']._serialized_end=2561
+  _globals['_FINISHREASON']._serialized_start=2564
+  _globals['_FINISHREASON']._serialized_end=2713
   _globals['_CHATMESSAGE']._serialized_start=35
   _globals['_CHATMESSAGE']._serialized_end=79
   _globals['_CHATMESSAGES']._serialized_start=81
   _globals['_CHATMESSAGES']._serialized_end=135
-  _globals['_SAMPLINGOPTIONS']._serialized_start=137
-  _globals['_SAMPLINGOPTIONS']._serialized_end=233
-  _globals['_CYCLEPREFERENCES']._serialized_start=236
-  _globals['_CYCLEPREFERENCES']._serialized_end=376
-  _globals['_GENERATEREQUEST']._serialized_start=379
-  _globals['_GENERATEREQUEST']._serialized_end=720
-  _globals['_CONFIDENCESUMMARY']._serialized_start=722
-  _globals['_CONFIDENCESUMMARY']._serialized_end=781
-  _globals['_TIMINGS']._serialized_start=783
-  _globals['_TIMINGS']._serialized_end=845
-  _globals['_USAGE']._serialized_start=848
-  _globals['_USAGE']._serialized_end=1005
-  _globals['_TOKENBLOCK']._serialized_start=1008
-  _globals['_TOKENBLOCK']._serialized_end=1397
-  _globals['_VARIANTINFO']._serialized_start=1400
-  _globals['_VARIANTINFO']._serialized_end=1776
-  _globals['_LISTVARIANTSREQUEST']._serialized_start=1778
-  _globals['_LISTVARIANTSREQUEST']._serialized_end=1799
-  _globals['_LISTVARIANTSRESPONSE']._serialized_start=1801
-  _globals['_LISTVARIANTSRESPONSE']._serialized_end=1890
-  _globals['_GETVARIANTREQUEST']._serialized_start=1892
-  _globals['_GETVARIANTREQUEST']._serialized_end=1925
-  _globals['_GENERATESERVICE']._serialized_start=2261
-  _globals['_GENERATESERVICE']._serialized_end=2480
+  _globals['_SAMPLINGOPTIONS']._serialized_start=138
+  _globals['_SAMPLINGOPTIONS']._serialized_end=426
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=369
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=417
+  _globals['_CYCLEPREFERENCES']._serialized_start=429
+  _globals['_CYCLEPREFERENCES']._serialized_end=569
+  _globals['_GENERATEREQUEST']._serialized_start=572
+  _globals['_GENERATEREQUEST']._serialized_end=970
+  _globals['_CONFIDENCESUMMARY']._serialized_start=972
+  _globals['_CONFIDENCESUMMARY']._serialized_end=1031
+  _globals['_TIMINGS']._serialized_start=1033
+  _globals['_TIMINGS']._serialized_end=1095
+  _globals['_USAGE']._serialized_start=1098
+  _globals['_USAGE']._serialized_end=1255
+  _globals['_TOPLOGPROB']._serialized_start=1257
+  _globals['_TOPLOGPROB']._serialized_end=1319
+  _globals['_TOKENLOGPROB']._serialized_start=1321
+  _globals['_TOKENLOGPROB']._serialized_end=1419
+  _globals['_TOKENBLOCK']._serialized_start=1422
+  _globals['_TOKENBLOCK']._serialized_end=1852
+  _globals['_VARIANTINFO']._serialized_start=1855
+  _globals['_VARIANTINFO']._serialized_end=2231
+  _globals['_LISTVARIANTSREQUEST']._serialized_start=2233
+  _globals['_LISTVARIANTSREQUEST']._serialized_end=2254
+  _globals['_LISTVARIANTSRESPONSE']._serialized_start=2256
+  _globals['_LISTVARIANTSRESPONSE']._serialized_end=2345
+  _globals['_GETVARIANTREQUEST']._serialized_start=2347
+  _globals['_GETVARIANTREQUEST']._serialized_end=2380
+  _globals['_GENERATESERVICE']._serialized_start=2716
+  _globals['_GENERATESERVICE']._serialized_end=2935
 # @@protoc_insertion_point(module_scope)

@@ -50,16 +50,31 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class CyclePreferences(_message.Message):
     __slots__ = ("tau_min", "tau_max", "min_confidence", "profile")
@@ -74,7 +89,7 @@ class CyclePreferences(_message.Message):
     def __init__(self, tau_min: _Optional[int] = ..., tau_max: _Optional[int] = ..., min_confidence: _Optional[float] = ..., profile: _Optional[_Union[CycleProfile, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "variant", "sampling", "max_new_tokens", "stop", "stop_token_ids", "cycle", "min_block_tokens", "flush_interval_ms", "ignore_eos")
+    __slots__ = ("request_id", "prompt", "chat", "variant", "sampling", "max_new_tokens", "stop", "stop_token_ids", "cycle", "min_block_tokens", "flush_interval_ms", "ignore_eos", "logprobs", "json_schema")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +102,8 @@ class GenerateRequest(_message.Message):
     MIN_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: ChatMessages
@@ -99,7 +116,9 @@ class GenerateRequest(_message.Message):
     min_block_tokens: int
     flush_interval_ms: int
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., variant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cycle: _Optional[_Union[CyclePreferences, _Mapping]] = ..., min_block_tokens: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    logprobs: int
+    json_schema: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., variant: _Optional[str] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cycle: _Optional[_Union[CyclePreferences, _Mapping]] = ..., min_block_tokens: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class ConfidenceSummary(_message.Message):
     __slots__ = ("min", "mean", "max")
@@ -139,8 +158,30 @@ class Usage(_message.Message):
     accepted_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., heads: _Optional[int] = ..., cycles_cut: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: bytes
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: bytes
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
 class TokenBlock(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "block_index", "k", "tau", "min_confidence", "confidence", "timings", "finish_reason", "usage", "variant", "replica", "num_drafted", "num_accepted", "verifier")
+    __slots__ = ("request_id", "token_ids", "text", "block_index", "k", "tau", "min_confidence", "confidence", "timings", "finish_reason", "usage", "variant", "replica", "num_drafted", "num_accepted", "verifier", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +198,7 @@ class TokenBlock(_message.Message):
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -173,7 +215,8 @@ class TokenBlock(_message.Message):
     num_drafted: int
     num_accepted: int
     verifier: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., block_index: _Optional[int] = ..., k: _Optional[int] = ..., tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., confidence: _Optional[_Union[ConfidenceSummary, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., variant: _Optional[str] = ..., replica: _Optional[str] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verifier: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., block_index: _Optional[int] = ..., k: _Optional[int] = ..., tau: _Optional[int] = ..., min_confidence: _Optional[float] = ..., confidence: _Optional[_Union[ConfidenceSummary, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., variant: _Optional[str] = ..., replica: _Optional[str] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verifier: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VariantInfo(_message.Message):
     __slots__ = ("name", "base_model", "status", "traffic_weight", "tau_min", "tau_max", "default_tau", "min_confidence", "num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "phase_anchor", "head_input", "revision", "is_default", "default_profile", "verifier")
