@@ -202,3 +202,74 @@ def test_grpc_token_blocks_carry_logprobs_and_take_a_json_schema(stack, client):
     content = r.choices[0].logprobs.content
     assert len(content) == len(entries) and all(abs(c.logprob - e.logprob) < 1e-5 for c, e in zip(content, entries))
     jsonschema.validate(json.loads("".join(b.text for b in schema)), PERSON)
+
+
+EXTENSIONS = {"dmtd", "drafted_tokens", "accepted_tokens"}  # ours, documented as extensions
+
+
+def _models(annotation) -> list[type]:
+    """The pydantic models an annotation names (through Optional, List, Union, Annotated)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def conforms(value, model, path: str = "") -> None:
+    """``value`` (JSON) has only fields ``model`` (the openai library's type, generated from OpenAI's OpenAPI
+    document) knows, every required one, recursively; extension fields aside."""
+    assert isinstance(value, dict), (path, value)
+    fields = model.model_fields
+    unknown = set(value) - set(fields) - EXTENSIONS
+    assert not unknown, f"{path}: {sorted(unknown)} not in {model.__name__}"
+    missing = [k for k, f in fields.items() if f.is_required() and k not in value]
+    assert not missing, f"{path}: {model.__name__} requires {missing}"
+    for key, v in value.items():
+        if key not in fields or v is None:
+            continue
+        candidates = _models(fields[key].annotation)
+        for item in (v if isinstance(v, list) else [v]):
+            if not candidates or not isinstance(item, dict):
+                continue
+            errors = []
+            for cand in candidates:
+                try:
+                    conforms(item, cand, f"{path}.{key}")
+                    break
+                except AssertionError as e:
+                    errors.append(str(e))
+            else:
+                raise AssertionError("; ".join(errors))
+
+
+def test_response_shapes_field_by_field_against_the_openai_types(stack):
+    import requests
+    from openai.types import Completion, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    url = stack.http_url + "/v1"
+    chat = requests.post(url + "/chat/completions", json={
+        "model": VARIANT, "messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "n": 2, **EXACT}, timeout=300).json()
+    conforms(chat, ChatCompletion)
+    assert chat["usage"]["completion_tokens_details"]["drafted_tokens"] > 0
+    tools = requests.post(url + "/chat/completions", json={
+        "model": VARIANT, "messages": CHAT, "max_tokens": 40, "temperature": 0, "tools": [WEATHER],
+        "tool_choice": "required"}, timeout=300).json()
+    conforms(tools, ChatCompletion)
+    assert tools["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    comp = requests.post(url + "/completions", json={"model": VARIANT, "prompt": "The sky is", "max_tokens": 4,
+                                                      "logprobs": 2}, timeout=300).json()
+    conforms(comp, Completion)
+    lines = requests.post(url + "/chat/completions", json={
+        "model": VARIANT, "messages": CHAT, "max_tokens": 8, "logprobs": True, "stream": True,
+        "stream_options": {"include_usage": True}}, timeout=300).text.split("\n\n")
+    chunks = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: {")]
+    assert len(chunks) >= 3 and lines[-2] == "data: [DONE]"
+    for ch in chunks:
+        conforms(ch, ChatCompletionChunk)
+    for m in requests.get(url + "/models", timeout=30).json()["data"]:
+        conforms(m, Model)
