@@ -145,3 +145,28 @@ def test_bad_shaping_is_refused_naming_the_field(engines):
     with pytest.raises(RequestError, match="presence_penalty"):
         SamplingParams(presence_penalty=2.5)
     assert not variant.has_unfinished() and not variant.shaper.states
+
+
+def test_a_grammars_forced_tokens_are_drafts_the_verifier_accepts(engines):
+    import re
+
+    import llguidance
+
+    from dmtd.engine.logits_process import FORCED_SOURCE
+
+    variant, base = engines
+    grammar = llguidance.LLMatcher.grammar_from_regex(r"The answer is (yes|no)\.")
+    chat = [{"role": "user", "content": "Is water wet?"}]
+
+    def forced_accepted() -> int:
+        return sum(variant.context_by_pos.get(FORCED_SOURCE, ([], []))[1])
+
+    before = forced_accepted()
+    exact = variant.generate([chat], SamplingParams(max_new_tokens=12, cycle_len=4, exact=True, grammar=grammar))[0]
+    plain = base.generate([chat], SamplingParams(max_new_tokens=12, cycle_len=1, grammar=grammar))[0]
+    assert exact.token_ids == plain.token_ids and re.fullmatch(r"The answer is (yes|no)\.", exact.text)
+    assert forced_accepted() - before >= 3  # "The answer is" went by as drafts, no tail pass made them
+    for seed in (1, 2):
+        sampled = variant.generate([chat], SamplingParams(temperature=1.0, seed=seed, max_new_tokens=12, cycle_len=4,
+                                                          exact=True, grammar=grammar))[0]
+        assert re.fullmatch(r"The answer is (yes|no)\.", sampled.text) and sampled.finish_reason == "stop"

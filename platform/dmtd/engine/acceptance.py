@@ -98,6 +98,6 @@ def check_drafts(logits: torch.Tensor, drafts: list[int], q: list[torch.Tensor |
 
 def _full(q: torch.Tensor | None, vocab: torch.Tensor | None, size: int, dev: torch.device) -> torch.Tensor:
     assert q is not None, "a sampled row keeps its draft distribution"
-    if vocab is None:
+    if vocab is None or q.shape[-1] == size:  # over the whole vocabulary already (a grammar's forced token)
         return q
     return torch.zeros(size, dtype=q.dtype, device=dev).index_copy_(0, vocab, q)

@@ -248,15 +248,20 @@ class LLMEngine:
             seq.drafts, seq.draft_done, seq.context_ngram = pick, True, n
 
     def _forced_drafts(self, seq: Sequence) -> None:
-        """Exact greedy requests with a grammar: the tokens the grammar forces from here (a single legal way on)
-        are this cycle's drafts, before any other source: no pass makes them, and the verifier's masked row
-        accepts them unless it tokenises the same text otherwise (counted under ``FORCED_SOURCE``)."""
+        """Exact requests with a grammar: the tokens the grammar forces from here (a single legal way on) are this
+        cycle's drafts, before any other source: no pass makes them, and the verifier's masked row accepts them
+        unless it tokenises the same text otherwise (counted under ``FORCED_SOURCE``). A sampled request drafts
+        them with certainty (q one-hot): the speculative rule then accepts one with the verifier's p."""
         p = seq.params
-        if not (self.forced_drafts and p.exact and p.greedy and p.grammar is not None) or seq.drafts:
+        if not (self.forced_drafts and p.exact and p.grammar is not None) or seq.drafts:
             return
         forced = self.shaper.forced(seq.req_id)[: seq.draft_room(self.cfg.max_model_len)]
         if forced:
             seq.drafts, seq.draft_done, seq.context_ngram = forced, True, FORCED_SOURCE
+            if not p.greedy:
+                V = self.runner.model.config.vocab_size
+                self._draft_q[seq.req_id] = [torch.zeros(V, device=self.runner.device).index_fill_(0, torch.tensor(
+                    [t], device=self.runner.device), 1.0) for t in forced]
 
     def _extend_drafts(self, seq: Sequence) -> None:
         """With a phrase table (and context drafts on): the tails' finished drafts go on with the table's
