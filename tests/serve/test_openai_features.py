@@ -273,3 +273,16 @@ def test_response_shapes_field_by_field_against_the_openai_types(stack):
         conforms(ch, ChatCompletionChunk)
     for m in requests.get(url + "/models", timeout=30).json()["data"]:
         conforms(m, Model)
+
+
+def test_closing_an_n_stream_frees_every_choices_slot(stack, client):
+    from tests.serve.test_stack import wait_idle
+
+    for n in (1, 3):
+        stream = client.chat.completions.create(model=VARIANT, messages=CHAT, max_tokens=400, n=n, stream=True,
+                                                temperature=1.0, seed=5)
+        seen = {c.index for ch, _ in zip(stream, range(3 * n)) for c in ch.choices}
+        assert seen <= set(range(n)) and seen
+        stream.close()
+        stats = wait_idle(stack, 30)
+        assert stats["active"] == 0 and stats["free_slots"] == 8

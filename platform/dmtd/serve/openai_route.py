@@ -46,8 +46,13 @@ async def merged(core: GatewayCore, route: Route, reqs: list[ReplicaRequest],
     """(choice index, block) of every request's stream, as they come; the first error ends them all."""
     streams = [core.stream(route, r, traceparent=traceparent) for r in reqs]
     if len(streams) == 1:
-        async for b in streams[0]:
-            yield 0, b
+        try:
+            async for b in streams[0]:
+                yield 0, b
+        finally:
+            close = getattr(streams[0], "aclose", None)
+            if close is not None:
+                await close()  # at once, not when collected: it cancels the replica's work
         return
     queue: asyncio.Queue[tuple[int, Block | Exception | None]] = asyncio.Queue()
 
