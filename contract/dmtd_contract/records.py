@@ -51,6 +51,7 @@ class ReplicaRequest:
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias)
     grammar: str = ""  # the output must match it (llguidance's JSON grammar form); "" = free text
     logprobs: int = -1  # >= 0: each token's log-probability and this many most likely alternatives; -1: none
+    prefill_with: str = ""  # a sibling request (same prompt, the OpenAI API's n) whose prefill this one may share
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ def test_n_copies_are_independent_requests():
     copies = expand(req, body.n)
     assert [c.request_id for c in copies] == [f"{req.request_id}-{i}" for i in range(3)]
     assert [c.seed for c in copies] == [10, 11, 12]
+    assert [c.prefill_with for c in copies] == ["", f"{req.request_id}-0", f"{req.request_id}-0"]
     copies[0].stop.append("x")
     assert copies[1].stop == []
     assert expand(req, 1) == [req]

@@ -23,6 +23,7 @@ from dmtd.engine.draft_policy import (
     expected_tokens,
     worth_exploring,
 )
+from dmtd.engine.forks import Forks
 from dmtd.engine.logits_process import FORCED_SOURCE, LogitsShaper
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
@@ -60,6 +61,7 @@ class LLMEngine:
         self.eos_ids = set(eos)
         self.seqs: dict[str, Sequence] = {}
         self.shaper = LogitsShaper(tokenizer, model.config.vocab_size)  # penalties, logit bias, grammars, logprobs
+        self.forks = Forks()  # requests that share a waiting sibling's prefill
         self.forced_drafts = True  # a grammar's forced tokens are drafts of exact greedy requests (_forced_drafts)
         self._detok: dict[str, Detokenizer] = {}
         self._gens: dict[str, torch.Generator | None] = {}
@@ -98,7 +100,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int] | list[dict[str, str]], params: SamplingParams | None = None,
-                    req_id: str | None = None) -> str:
+                    req_id: str | None = None, prefill_with: str | None = None) -> str:
+        """Queue a request. ``prefill_with``: a sibling request with the same prompt whose prefill this one shares,
+        if that is still to come (dmtd.engine.forks); else it is prefilled on its own."""
         params = params or SamplingParams()
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.seqs:
@@ -107,7 +111,8 @@ class LLMEngine:
         seq = Sequence(req_id, self.encode(prompt), params, cycle_len=tau)
         self.shaper.add(req_id, params)
         try:
-            self.scheduler.add(seq)
+            if not (prefill_with and self.forks.attach(seq, self.seqs.get(prefill_with))):
+                self.scheduler.add(seq)
         except RequestError:
             self.shaper.drop(req_id)
             raise
@@ -142,7 +147,12 @@ class LLMEngine:
         self.shaper.drop(req_id)
         if seq is None or seq.finished:
             return False
+        if self.forks.detach(req_id) is not None:  # it waited on a sibling's prefill: in no queue
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            return True
         self.scheduler.finish(seq, "abort")
+        for kid in self.forks.orphans(req_id):
+            self.scheduler.add(kid)
         return True
 
     def has_unfinished(self) -> bool:
@@ -163,7 +173,9 @@ class LLMEngine:
         if not out.seqs:
             return []
         if out.is_prefill:
-            results = self._sampled(out, self._timed("prefill", self.runner.prefill, out.prefill)[0])
+            out, logits = self.forks.fork(out, self._timed("prefill", self.runner.prefill, out.prefill)[0],
+                                          self.scheduler, self.runner.cache)
+            results = self._sampled(out, logits)
             conf = {o.req_id: o.confidence for o in results}
             for s in out.prefill:
                 if s.params.exact:

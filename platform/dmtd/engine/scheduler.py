@@ -108,6 +108,16 @@ class Scheduler:
         out.decode = list(self.running)
         return out
 
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Run a sequence whose prompt KV another slot's prefill made (dmtd.engine.forks): a slot now, or False."""
+        if not self._free_slots:
+            return False
+        seq.slot = heapq.heappop(self._free_slots)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.slot)
+        return True
+
     def postprocess(self, out: SchedulerOutput, tokens: list[int], confidences: list[float],
                     eos_ids: set[int], advance_clock: bool = True) -> list[TokenEvent]:
         """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire.

@@ -107,7 +107,8 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
     added: list[tuple[str, BaseException | None, float, int]] = []
     for rid, _tau, _conf, params in job.admissions:
         try:
-            e.add_request(encode(job.requests[rid]), params, req_id=rid)
+            req = job.requests[rid]
+            e.add_request(encode(req), params, req_id=rid, prefill_with=req.prefill_with or None)
             added.append((rid, None, time.time(), e.seqs[rid].prompt_len))
         except Exception as err:
             added.append((rid, err, time.time(), 0))

@@ -237,11 +237,12 @@ def _logprobs(body: _Common) -> int:
 
 
 def expand(req: ReplicaRequest, n: int) -> list[ReplicaRequest]:
-    """``n`` independent copies of a request (ids ``<id>-<i>``; a seed ``s`` becomes ``s + i``)."""
+    """``n`` independent copies of a request (ids ``<id>-<i>``; a seed ``s`` becomes ``s + i``); the copies after
+    the first share its prefill where they reach its replica before it runs (``prefill_with``)."""
     if n == 1:
         return [req]
     return [dataclasses.replace(req, request_id=f"{req.request_id}-{i}", stop=list(req.stop),
-                                logit_bias=list(req.logit_bias),
+                                logit_bias=list(req.logit_bias), prefill_with=f"{req.request_id}-0" if i else "",
                                 seed=None if req.seed is None else (req.seed + i) % (MAX_SEED + 1))
             for i in range(n)]
 

@@ -58,7 +58,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "tau_min": (int,), "tau_max": (int,), "min_confidence": (*_NUM, type(None)), "profile": (str,),
     "arrival_s": _NUM, "traceparent": (str,), "sent_s": _NUM, "push_to": (str,), "push_token": (str,),
     "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM, "logit_bias": (list,),
-    "grammar": (str,), "logprobs": (int,),
+    "grammar": (str,), "logprobs": (int,), "prefill_with": (str,),
 }
 
 
