@@ -102,7 +102,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="weights and activations: 'auto' (bfloat16 on a CPU with AVX-512 or AVX2, else float32; "
-                   "float32 for the exact profile, whose tokens are then the verifier's bit for bit; the default "
+                   "every profile, the exact one's tokens are the verifier's bit for bit in either; the default "
                    "unless the variant recommends one)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="weight-only low-bit projections and lm_head (CPU kernels built once for this CPU; "
@@ -157,6 +157,13 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from dmtd.bench.engine_bench import run_engine_bench
 
     run_engine_bench(args)
+    return 0
+
+
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from dmtd.bench.kernel_bench import run_kernel_bench
+
+    run_kernel_bench(args)
     return 0
 
 
@@ -219,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_bench_args(be)
     be.set_defaults(func=cmd_bench_engine)
+    bk = bsub.add_parser("kernels", help="bf16 products by rows on every kernel path of this CPU, beside torch's")
+    from dmtd.bench.kernel_bench import add_kernel_bench_args
+
+    add_kernel_bench_args(bk)
+    bk.set_defaults(func=cmd_bench_kernels)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
     from dmtd.serve.bench import add_bench_serve_args

@@ -84,3 +84,35 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_block_with_what_was_emitt
     last = [o for o in variant.stream(prompt, SamplingParams(max_new_tokens=48, cycle_len=4, exact=True,
                                                              stop=[stop]))][-1]
     assert last.finished and last.block == r.token_ids[-2:] and last.num_accepted == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_tokens_are_the_base_models_alone_and_in_a_batch_of_16_mixed_requests(dtype):
+    """The base model (``--variant none``) is the reference, alone and in batches of 16 (the same tokens: its rows
+    are computed alone whatever shares the step); the exact profile at the same precision gives its tokens alone
+    and inside batches of 16 that mix τ, draft stops, the dmtd profile and sampled requests."""
+    import torch
+
+    prec = getattr(torch, dtype)
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=512, dtype=dtype)
+    base = build_engine(engine_spec(None, "none", dtype=prec), cfg)
+    variant = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]), cfg)
+    prompts = [[{"role": "user", "content": c}] for c in CHATS]
+    greedy = SamplingParams(max_new_tokens=24, cycle_len=1)
+    ref = [r.token_ids for r in base.generate(prompts, greedy)]  # 20 requests: batches of 16, then 4
+    for i in (0, 7, 13):
+        assert base.generate([prompts[i]], greedy)[0].token_ids == ref[i], f"base, prompt {i} alone"
+        alone = variant.generate([prompts[i]], SamplingParams(max_new_tokens=24, cycle_len=3, exact=True))[0]
+        assert alone.token_ids == ref[i], f"exact, prompt {i} alone"
+    exact = [SamplingParams(max_new_tokens=24, cycle_len=2 + i % 3, exact=True, min_confidence=(0.0, 0.5)[i % 2])
+             for i in range(len(prompts))]
+    others = [SamplingParams(max_new_tokens=16, cycle_len=3),  # the dmtd profile: unverified tails
+              SamplingParams(max_new_tokens=16, cycle_len=3, exact=True, temperature=0.8, seed=1),
+              SamplingParams(max_new_tokens=16, cycle_len=1, temperature=1.0, seed=2)]
+    batch = [(p, q) for p, q in zip(prompts, exact)]
+    for j, q in enumerate(others * 2):  # companions spread through the batch
+        batch.insert(3 * j + 1, (prompts[(5 * j) % len(prompts)], q))
+    got = variant.generate([p for p, _ in batch], [q for _, q in batch])
+    mine = [r.token_ids for r, (_, q) in zip(got, batch) if q.exact and q.temperature == 0]
+    assert len(mine) == len(ref) and mine == ref
+    assert sum(r.num_accepted for r in got) > 0  # drafts were accepted, not only the verifier's own tokens

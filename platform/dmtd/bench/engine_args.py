@@ -11,6 +11,8 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taus", default="2,3,4", help="DMTD cycle lengths to measure")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--prefill-lens", default="", metavar="LIST",
+                   help="also time one prompt's prefill at these lengths, e.g. 512,2048 (prompt tok/s)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed repeats per configuration (best is kept)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate baseline")

@@ -68,6 +68,17 @@ def bench_engine(engine: LLMEngine, ids: list[int], batch: int, tau: int, new_to
     return best
 
 
+def bench_prefill(engine: LLMEngine, tokenizer: Any, length: int, repeats: int) -> float:
+    """Prompt tokens per second of one ``length``-token prompt's prefill (to its first token), best of repeats."""
+    ids = prompt_ids(tokenizer, length)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        engine.generate([ids], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        best = min(best, time.perf_counter() - t)
+    return length / best
+
+
 def run_engine_bench(args: argparse.Namespace) -> dict:
     from dmtd.bench import precision_bench as pb
 
@@ -98,9 +109,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     quality: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
     judge = None
     path = None
+    prefill_lens = [int(x) for x in str(getattr(args, "prefill_lens", "") or "").split(",") if x]
+    max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
     for prec in precisions:
-        engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]),
-                              args.prompt_len + args.new_tokens + 512, args.decoding_layers, max(taus + [1]))
+        engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
+                              max(taus + [1]))
         if prec == "float32":
             judge, path = lm.model, lm.path
         cfg, dmtd = lm.config, engine.dmtd
@@ -117,6 +130,9 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
             else:
                 r = bench_engine(engine, ids, b, tau, args.new_tokens, args.repeats)
             rows.append({"batch": b, "system": system, "tau": tau, "precision": prec, **r, **bnd})
+        for n in prefill_lens:
+            rows.append({"batch": 1, "system": f"prefill{n}", "tau": 1, "precision": prec,
+                         "prefill_tok_s": bench_prefill(engine, lm.tokenizer, n, args.repeats)})
         quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
         del engine, lm
     if llm is not None:
@@ -130,6 +146,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
                                                       streams.get("int4") or rates.matvec_gb_s)})
         prompts = quality["float32"][0]
         quality["llama.cpp"] = (prompts, [pb.llama_generate(llm, p, args.quality_tokens) for p in prompts])
+    prefill_rows = [r for r in rows if "prefill_tok_s" in r]
+    rows = [r for r in rows if "prefill_tok_s" not in r]
     add_ratios(rows, batches)
     exact_rows, variant = exact_section(args, batches)
     assert judge is not None
@@ -141,8 +159,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         "quality": {"prompts": args.quality_prompts, "new_tokens": args.quality_tokens,
                     "by_precision": pb.quality_rows(quality, judge)},
         "exact": {"variant": variant, "rows": exact_rows} if exact_rows else None,
+        "prefill": prefill_rows,
     }
     print_table(result)
+    for r in prefill_rows:
+        print(f"prefill of {r['system'][7:]} tokens, {r['precision']}: {r['prefill_tok_s']:.0f} prompt tok/s")
     if exact_rows:
         print_exact_table(result["exact"])
     if args.json_path:

@@ -45,9 +45,6 @@ class ModelRunner:
         # bf16 keeps its KV cache (and so attention) in float32: attention then computes a row the same way
         # whatever else shares its step, which the exact profile's equality with τ = 1 rests on
         self.kv_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
-        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.kv_dtype, self.device,
-                             self.dtype)
-        self.kv = self.cache.layers
         self.verifier = verifier or own_verifier(dmtd, is_base=dmtd.head_input == "replace")
         have = next(model.parameters()).dtype
         if have != self.dtype:
@@ -62,6 +59,14 @@ class ModelRunner:
         # the kernels build (DMTD_FUSED_LAYERS=0: the TorchScript loop instead, to compare)
         self.model.fused_layers = self.model.attend_kernel and os.environ.get("DMTD_FUSED_LAYERS", "1") != "0"
         self.weights, self.head = self._pack(self.weight_format)
+        # Activations (the residual stream, pending tails, stashes) stay float32 on packed half-precision weights:
+        # rounded to bf16 they were rounded wherever a layer group ends, and two engines that split the same layers
+        # into different groups (a variant's verifier, the base model) gave a position different bits
+        packed = self.weights is not self.model.layer_weights()
+        self.act_dtype = torch.float32 if packed and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
+        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.kv_dtype, self.device,
+                             self.act_dtype)
+        self.kv = self.cache.layers
         vl = self.verifier.layers
         self.verify_weights = self.weights if vl is None else (
             self.weights[: dmtd.decoding_start] + self._pack_layers(vl, self.weight_format))
@@ -178,8 +183,8 @@ class ModelRunner:
             write_slots = slot_t.repeat_interleave(S)[rows]
             write_pos = positions.reshape(-1)[rows]
         one = (slots[0], int(positions[0, 0])) if B == 1 and S == 1 else None
-        if cos.dtype != self.dtype:
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        if cos.dtype != self.act_dtype:
+            cos, sin = cos.to(self.act_dtype), sin.to(self.act_dtype)
         return StepContext(cos, sin, mask, read_len, slot_t, _slot_range(slots), write_slots, write_pos, rows,
                            one)
 
@@ -204,7 +209,7 @@ class ModelRunner:
         lens_t = torch.tensor(lens, device=self.device)
         valid = pos < lens_t[:, None]
         ctx = self._context([s.slot for s in seqs], pos, None if all(n == T for n in lens) else valid)
-        h_enc = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
+        h_enc = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
                                self.weights)
@@ -245,19 +250,19 @@ class ModelRunner:
         ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
         if self._fused is not None and len(seqs) == 1:  # one sequence: its layers in one call each group
             s, q = seqs[0], last[0]
-            x = self._draft_stack(m.embed_tokens(ids[0]).to(self.dtype), 0, d.thinking_start, s.slot, q)
+            x = self._draft_stack(m.embed_tokens(ids[0]).to(self.act_dtype), 0, d.thinking_start, s.slot, q)
             if counts[0] > 1:
                 x = torch.cat((self.cache.stash[s.slot, s.num_tail_cached: q], x))
             h = self._draft_stack(x, d.decoding_start, d.num_layers, s.slot, q)
             return self._draft_logits(m.norm.forward(h[-1:]), seqs)
         ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
-        x = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
+        x = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
                          self.draft_weights)
         if max(counts) > 1:
             pos, valid = self._right_aligned(last, counts)
             R = pos.shape[1]
             tail = x
-            x = torch.zeros(len(seqs), R, tail.shape[-1], dtype=self.dtype, device=dev)
+            x = torch.zeros(len(seqs), R, tail.shape[-1], dtype=self.act_dtype, device=dev)
             x[:, -1] = tail[:, 0]
             for i, s in enumerate(seqs):
                 if counts[i] > 1:
@@ -326,7 +331,7 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             ids[i, R - counts[i]:] = torch.tensor([s.token_ids[-1], *s.drafts])
         ctx = self._context([s.slot for s in seqs], pos, valid)
-        h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
+        h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
                                self.weights)
@@ -346,7 +351,7 @@ class ModelRunner:
         pos = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=dev)
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
         ctx = self._context(slots, pos, None)
-        h_enc = m.run_layers(m.embed_tokens(ids).to(self.dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
+        h_enc = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         heads = [i for i, s in enumerate(seqs) if s.next_is_head]
         tails = [i for i, s in enumerate(seqs) if not s.next_is_head]
@@ -391,7 +396,7 @@ class ModelRunner:
             pos = torch.tensor([[s.position] for s in seqs], device=dev)
             valid = None
         else:
-            inp = torch.zeros(len(seqs), R, h_head.shape[-1], dtype=self.dtype, device=dev)
+            inp = torch.zeros(len(seqs), R, h_head.shape[-1], dtype=self.act_dtype, device=dev)
             inp[:, -1] = h_head[:, 0]
             for i, s in enumerate(seqs):
                 if n_new[i] > 1:

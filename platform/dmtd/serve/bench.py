@@ -52,6 +52,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--repeats", type=int, default=1,
                    help="closed-loop runs per row (stack and engine in turn); the row is the best one of each")
+    p.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="replicas' precisions to compare in one run, e.g. auto,float32: a stack per precision, one "
+                        "after another, the same workload, then each row's tok/s against the last precision's")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
@@ -169,6 +172,39 @@ def open_loop(target: str, policy: str, rate: float, count: int, max_new: int, s
 
 
 def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
+    dtypes = [d for d in (getattr(args, "dtypes", None) or "").split(",") if d]
+    if len(dtypes) > 1:
+        return compare_dtypes(args, default_variant, dtypes)
+    return _run_bench_serve(args, default_variant, dtypes[0] if dtypes else None)
+
+
+def compare_dtypes(args: argparse.Namespace, default_variant: str, dtypes: list[str]) -> dict[str, Any]:
+    """The same bench on a stack per precision, one after another in this process; each row's tok/s and TTFT
+    against the last precision's (``--dtypes auto,float32``: today's default against float32)."""
+    if args.server is not None:
+        raise ValueError("--dtypes starts a stack per precision: it cannot bench a running --server")
+    runs = {}
+    for d in dtypes:
+        print(f"\n=== replicas' dtype: {d} ===")
+        runs[d] = _run_bench_serve(argparse.Namespace(**{**vars(args), "json_path": None}), default_variant, d)
+    ref = runs[dtypes[-1]]["rows"]
+    print(f"\n{'N':>4} {'policy':>9} " + " ".join(f"{d + ' tok/s':>15}" for d in dtypes)
+          + " " + " ".join(f"{'×' + dtypes[-1]:>10}" for d in dtypes[:-1]) + f" {'TTFT p50 ms':>12}")
+    for i, r in enumerate(ref):
+        vals = [runs[d]["rows"][i]["tokens_per_s"] for d in dtypes]
+        ttft = "/".join(f"{runs[d]['rows'][i]['ttft_p50_ms']:.0f}" for d in dtypes)
+        print(f"{r.get('concurrency', r.get('rate')):>4} {r['policy']:>9} " + " ".join(f"{v:>15.1f}" for v in vals)
+              + " " + " ".join(f"{v / vals[-1]:>10.2f}" for v in vals[:-1]) + f" {ttft:>12}")
+    result = {"dtypes": dtypes, "runs": runs}
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    return result
+
+
+def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str | None) -> dict[str, Any]:
     from dmtd.serve.local import start_stack, stop_stack
 
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -181,7 +217,7 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
         ns = argparse.Namespace(host="127.0.0.1", grpc_port=args.grpc_port or 19000, http_port=18000, registry=None,
                                 model=args.model, decoding_layers=args.decoding_layers, replicas=1,
                                 max_num_seqs=max(concurrency), itl_slo_ms=args.itl_slo_ms,
-                                stream_interval_ms=args.stream_interval_ms, block_push=args.block_push)
+                                stream_interval_ms=args.stream_interval_ms, block_push=args.block_push, dtype=dtype)
         info = start_stack(ns, args.variant or default_variant)
         target = info["grpc"]
     else:
@@ -252,7 +288,8 @@ def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str,
                      and b.get("concurrency") == r.get("concurrency")), None)
         if base:
             r["speedup_vs_tau1"] = r["tokens_per_s"] / base["tokens_per_s"]
-    result = {"target": target, "variant": args.variant or default_variant, "max_new_tokens": args.max_new_tokens,
+    result = {"target": target, "variant": args.variant or default_variant, "dtype": dtype or "default",
+              "max_new_tokens": args.max_new_tokens,
               "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
               "requests_per_worker": args.requests_per_worker, "rows": rows}
     if started:

@@ -291,8 +291,13 @@ def serve_main(args: argparse.Namespace, variant: str) -> int:
         if args.demo:
             demo(info["grpc"])
             return 0
+        from dmtd.variants.build import variant_precision
+
+        dtype, quant = variant_precision(variant, args.dtype, args.quant, "cpu")
         print(f"""
 dmtd is serving variant {info['variant']!r}
+  precision {dtype}{'' if quant == 'none' else ' ' + quant}   (--dtype/--quant: as given, else the variant's, else \
+auto: bfloat16 where the kernels build; the exact profile is the base model's output bit for bit in either)
   gRPC   {info['grpc']}   (dmtd.v1.GenerateService, grpc.health.v1, reflection)
   HTTP   {info['http']}/v1   (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
   registry {info['registry']}   (dmtd variants list --registry '{info['registry']}')

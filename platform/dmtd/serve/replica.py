@@ -22,6 +22,7 @@ from dmtd.serve.engine_loop import EngineLoop, engine_executor
 from dmtd.serve.errors import Overloaded, RequestFailed
 from dmtd.serve.push import BlockPusher, PushUnavailable
 from dmtd.serve.requests import InvalidRequest, Limits, check_types, validate
+from dmtd.serve.warmup import warm_up
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.telemetry.replica import ReplicaTelemetry
@@ -55,6 +56,8 @@ class DMTDReplica:
         self.limits = Limits(**(limits or {}))  # the gateway's: a request it let through passes here too
         executor = engine_executor()  # the engine is built, and only ever run, on this one thread (engine_loop)
         engine, cfg = executor.submit(engine_factory).result()
+        # ready means warm: Serve routes to a replica once this constructor returns
+        self.warmup_s = executor.submit(warm_up, engine, cfg.tau_max, cfg.default_profile).result()
         self.name = name or f"replica-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name, executor=executor)
         self.loop.pusher = self.pusher
@@ -147,7 +150,7 @@ class DMTDReplica:
                 "tau_bounds": (self.loop.controller.cfg.tau_min, self.loop.controller.cfg.tau_max),
                 "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence,
                 "default_profile": self.loop.controller.cfg.default_profile,
-                "metrics_url": self.telemetry.metrics_url}
+                "metrics_url": self.telemetry.metrics_url, "warmup_s": self.warmup_s}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve ``user_config``: τ bounds and gate from the operator or the registry; no restart."""
