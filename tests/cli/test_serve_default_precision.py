@@ -54,10 +54,10 @@ def test_dmtd_serve_defaults_to_bf16_exact_and_four_concurrent_requests_get_the_
     assert resolve_dtype("auto", "cpu") == "bfloat16"  # every CPU kind we run on builds the vector kernels
     (tmp_path / "client.py").write_text(CLIENT)
     dmtd, py = str(Path(sys.executable).with_name("dmtd")), sys.executable
-    script = (f"ip link set lo up && ({dmtd} serve --http-port 18123 --grpc-port 19123 > {tmp_path}/serve.log 2>&1 &) "
-              f"&& {py} {tmp_path}/client.py http://127.0.0.1:18123 '{json.dumps(CHATS)}' {MAX_TOKENS}; "
-              f"rc=$?; pkill -INT -f 'serve --http-port 18123'; sleep 3; pkill -KILL -f 'serve --http-port 18123'; "
-              "exit $rc")
+    script = (f"ip link set lo up; {dmtd} serve --http-port 18123 --grpc-port 19123 > {tmp_path}/serve.log 2>&1 & "
+              f"pid=$!; {py} {tmp_path}/client.py http://127.0.0.1:18123 '{json.dumps(CHATS)}' {MAX_TOKENS}; rc=$?; "
+              "kill -TERM $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done; "
+              "kill -KILL $pid 2>/dev/null; exit $rc")
     done = subprocess.run(["unshare", "-n", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     log = (tmp_path / "serve.log").read_text() if (tmp_path / "serve.log").exists() else ""
