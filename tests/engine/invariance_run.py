@@ -15,10 +15,8 @@ import torch
 from dmtd.engine import lowbit
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.model import LayerWeights
 from dmtd.engine.sequence import SamplingParams
-from dmtd.engine.verifier import Verifier
-from tests.engine.test_exact import base_model, prompts_of, variant_of
+from tests.engine.test_exact import base_model, in_dtype, prompts_of, variant_of
 
 DMTD = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
 
@@ -74,10 +72,7 @@ def run(dtype: str, quant: str, dmtd: DMTDConfig, batch: list[tuple[list[int], S
         target: int) -> tuple[list[int], list[torch.Tensor]]:
     base = base_model(5, 0.05)
     var, verifier = variant_of(base, 0.02, 5)
-    if dtype == "bfloat16":
-        var = var.to(torch.bfloat16)
-        verifier = Verifier(verifier.name, verifier.head_input, [
-            LayerWeights._make(None if t is None else t.to(torch.bfloat16) for t in w) for w in verifier.layers])
+    var, verifier = in_dtype(var, verifier, dtype)
     engine = LLMEngine(var, None, dmtd, EngineConfig(max_num_seqs=64, max_model_len=256, dtype=dtype, quant=quant),
                        default_cycle_len=1, eos_token_ids=[], verifier=verifier)
     rec = Recorder(engine)

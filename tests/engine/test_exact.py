@@ -45,6 +45,17 @@ def variant_of(base: Transformer, noise: float, seed: int) -> tuple[Transformer,
     return var, verifier
 
 
+def in_dtype(model: Transformer, verifier: Verifier, dtype: str) -> tuple[Transformer, Verifier]:
+    """The variant and its verifier's layers cast to ``dtype`` (as engine_spec casts a loaded variant)."""
+    if dtype == "float32":
+        return model, verifier
+    from dmtd.engine.model import LayerWeights
+
+    prec = getattr(torch, dtype)
+    return model.to(prec), Verifier(verifier.name, verifier.head_input, [
+        LayerWeights._make(None if t is None else t.to(prec) for t in w) for w in verifier.layers])
+
+
 def exact_engine(model: Transformer, verifier: Verifier | None = None, max_num_seqs: int = 8,
                  draft_vocab: list[int] | None = None, eos: list[int] | None = None) -> LLMEngine:
     from dmtd.engine.config import EngineConfig
@@ -138,14 +149,10 @@ def test_a_checked_chunk_scores_each_position_as_that_position_alone(dtype, prom
     position alone gives (bitwise in bf16): what the exact profile's equality with τ = 1 rests on, at any
     context length."""
     from dmtd.engine.config import EngineConfig
-    from dmtd.engine.model import LayerWeights
 
     base = base_model(5, 0.5)
     model, verifier = variant_of(base, 0.05, 6)
-    if dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
-        verifier = Verifier(verifier.name, verifier.head_input, [
-            LayerWeights._make(None if t is None else t.to(torch.bfloat16) for t in w) for w in verifier.layers])
+    model, verifier = in_dtype(model, verifier, dtype)
     eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, dtype=dtype),
                     default_cycle_len=1, eos_token_ids=[], verifier=verifier)
     rid = eng.add_request(prompts_of([prompt_len], 7)[0],
