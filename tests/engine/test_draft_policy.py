@@ -39,7 +39,8 @@ def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_sc
     ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True,
                                                    draft_quant="none",  # drafts as exact as the verifier
-                                                   context_drafts=False),  # the tails' own policy
+                                                   context_drafts=False,  # the tails' own policy
+                                                   batch_gate=False),
                     default_cycle_len=1, eos_token_ids=[])
     # costs as measured on a memory-bound machine: extra check positions and tails are cheap
     # (for every batch size the run passes through as requests finish, so no step's own timing enters)

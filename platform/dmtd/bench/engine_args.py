@@ -30,8 +30,9 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-tokens", type=int, default=48, help="greedy tokens per quality prompt")
     p.add_argument("--llama-cpp", action="store_true",
                    help="add llama.cpp (llama-cpp-python, `make bench-deps`) on the package's GGUF at batch 1")
-    p.add_argument("--exact-precision", default="float32", choices=("float32", "bfloat16", "int8", "int4"),
-                   help="precision of the exact-profile rows (float32: their tokens are the verifier's bit for bit)")
+    p.add_argument("--exact-precision", default="bfloat16", choices=("float32", "bfloat16", "int8", "int4"),
+                   help="precision of the exact-profile rows (default: bfloat16, what dmtd serve runs; float32 and "
+                   "bfloat16 tokens are the verifier's at that precision bit for bit)")
     p.add_argument("--draft-quants", default="auto",
                    help="exact rows: the drafts' weights, side by side (comma list of auto, none, int8; "
                    "int8: int8 x int8 dot products, AVX512-VNNI or AVX2)")

@@ -190,6 +190,9 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
     adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
+    # with adaptive_drafts: drafts run at a batch size only while they measured more tokens per row-second there
+    # than plain base steps (dmtd.engine.draft_gate); off: the per-row policy alone decides
+    batch_gate: bool = True
     # exact profile: the drafts' weights. "int8": int8 × int8 dot products (dmtd.engine.lowbit's i8dot, ~2x
     # faster than bf16 at one row); "none": the engine's own; "auto": int8 where this CPU has AVX512-VNNI or AVX2
     draft_quant: str = "auto"

@@ -9,6 +9,7 @@ import torch
 from dmtd.engine import context_drafts
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.context_drafts import until_stop
+from dmtd.engine.draft_gate import DraftGate
 from dmtd.engine.draft_policy import PassCosts, best_num_drafts, expected_tokens, worth_exploring
 from dmtd.engine.logits_process import FORCED_SOURCE, LogitsShaper
 from dmtd.engine.phrase_table import N, PhraseTable, extension_source
@@ -24,6 +25,7 @@ class DraftChoice:
     scheduler: Scheduler
     runner: ModelRunner
     pass_costs: PassCosts
+    draft_gate: DraftGate
     context_by_pos: context_drafts.Counts
     eos_ids: set[int]
     phrase_table: PhraseTable | None
@@ -37,6 +39,9 @@ class DraftChoice:
         measuring, where one more could pay at all (``worth_exploring``)."""
         if not self.cfg.adaptive_drafts:
             return
+        if not self.draft_gate.allows():  # drafts do not pay at this batch size: a plain base step
+            seq.draft_target = 0
+            return
         most, batch = seq.draft_room(self.cfg.max_model_len), len(self.scheduler.running)
         best = best_num_drafts(most, batch, self.pass_costs, seq.accepted_by_pos, seq.drafted_by_pos)
         explore = (seq.num_heads + 1) % 8 == 0 and worth_exploring(best, most, batch, self.pass_costs,
@@ -48,7 +53,8 @@ class DraftChoice:
         tokens that followed the latest earlier occurrence of the context's last few tokens, where that has more
         expected tokens per cost than the tails' best count. Such drafts cost no tail pass, only the check's
         wider rows; their acceptance is counted apart (per request, per position, from the same prior)."""
-        if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.drafts:
+        if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.drafts \
+                or not self.draft_gate.allows():
             return
         # τ bounds a block whoever drafts it (τ = 1: the verifier alone; the controller's fill ratio k / τ)
         most = min(context_drafts.MAX_CONTEXT_DRAFTS, seq.draft_room(self.cfg.max_model_len))

@@ -15,6 +15,7 @@ from dmtd.engine import context_drafts
 from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.draft_choice import DraftChoice
+from dmtd.engine.draft_gate import DraftGate
 from dmtd.engine.draft_policy import (
     STEADY_CATCH_UP,
     TAIL_PASS_OVERHEAD,
@@ -65,6 +66,7 @@ class LLMEngine(DraftChoice):
         self._draft_q: dict[str, list[torch.Tensor | None]] = {}
         self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
         self.pass_costs = PassCosts()  # what the draft policy learns of this machine
+        self.draft_gate = DraftGate()  # whether drafts pay at all at the batch's size (measured, adaptive drafts)
         # context drafts by n over every request so far, (drafted, accepted) by position: a new request's prior (a
         # 2-token match that is right 1 time in 6 should not be tried a dozen times on every request to learn it)
         self.context_by_pos: context_drafts.Counts = {}
@@ -184,6 +186,16 @@ class LLMEngine(DraftChoice):
                     if s.status is SequenceStatus.RUNNING and not uncertain:
                         self._context_drafts(s)
             return results
+        gated = self.cfg.adaptive_drafts and self.cfg.batch_gate
+        if gated:
+            self.draft_gate.begin_step(len(out.decode))
+        results = self._decode(out, t_step)
+        if gated:
+            self.draft_gate.observe(len(out.decode), len(results), time.perf_counter() - t_step)
+        return results
+
+    def _decode(self, out: SchedulerOutput, t_step: float) -> list[StepOutput]:
+        """A decode step: plain rows, rows drafting and rows checking, each kind in one pass."""
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
         checking = [s for s in out.decode if s.params.exact and s.draft_done]

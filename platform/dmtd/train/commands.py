@@ -318,7 +318,11 @@ def run_eval(args: argparse.Namespace) -> int:
     mpath = find_variant(name, [shipped])
     manifest = read_manifest(mpath)
     root = mpath if mpath.is_dir() else mpath.parent
-    recorded = Path(str(manifest.recipe["corpus"])) if manifest.recipe and "corpus" in manifest.recipe else None
+    recorded = None  # the recipe names its corpus relative to the corpora cache (older manifests: a full path)
+    if manifest.recipe and "corpus" in manifest.recipe:
+        from dmtd.variants.smollm2 import cache_dir
+
+        recorded = cache_dir() / "corpora" / str(manifest.recipe["corpus"])
     corpus_path = args.corpus or (recorded if recorded is not None and recorded.is_dir() else None)
     if corpus_path is None and manifest.heldout is None:
         raise TrainInputError("--corpus is required (the variant ships no held-out sample and its training "

@@ -61,7 +61,7 @@ def export_variant(student: DMTDStudent, cfg: TrainConfig, out: Path, base_finge
         tau_max=cfg.tau_max, default_tau=min(default_tau or cfg.tau_max, cfg.tau_max),
         min_confidence=min_confidence, phase_anchor=d.phase_anchor, head_input=d.head_input,
         base_fingerprint=base_fingerprint, vocab_size=student.model.config.vocab_size,
-        recipe={**cfg.model_dump(), "export_dtype": dtype, "export_rank": rank, **(extra or {})},
+        recipe=portable_recipe({**cfg.model_dump(), "export_dtype": dtype, "export_rank": rank, **(extra or {})}),
         data_hash=data_hash,
         description=f"DMTD variant of {cfg.base_model}: {cfg.scope} scope, D={d.num_decoding_layers}, "
                     f"τ {cfg.tau_min}..{cfg.tau_max}",
@@ -69,6 +69,23 @@ def export_variant(student: DMTDStudent, cfg: TrainConfig, out: Path, base_finge
     )
     (out / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(exclude_none=True), indent=1) + "\n")
     return manifest
+
+
+def portable_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe without this machine's paths: the corpus and teacher cache relative to the corpora cache, a
+    path inside the repository relative to it (a shipped manifest names no machine)."""
+    from dmtd.variants.smollm2 import cache_dir
+
+    roots = [cache_dir() / "corpora", Path(__file__).resolve().parents[3]]
+    out = dict(recipe)
+    for key in ("corpus", "cache", "init_from"):
+        v = out.get(key)
+        if isinstance(v, str) and Path(v).is_absolute():
+            for root in roots:
+                if Path(v).is_relative_to(root):
+                    out[key] = str(Path(v).relative_to(root))
+                    break
+    return out
 
 
 FIELDS = {"self_attn.qkv_proj.weight": "qkv", "self_attn.o_proj.weight": "o", "mlp.gate_up_proj.weight": "gate_up",
