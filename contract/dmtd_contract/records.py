@@ -65,6 +65,7 @@ class Usage:
     cycles_cut: int = 0
     drafted_tokens: int = 0  # exact profile
     accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -167,6 +167,13 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from dmtd.bench.prefix_bench import run_prefix_bench
+
+    run_prefix_bench(args)
+    return 0
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from dmtd.train.commands import run_data
 
@@ -231,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kernel_bench_args(bk)
     bk.set_defaults(func=cmd_bench_kernels)
+    bp = bsub.add_parser("prefix", help="the engine with and without the prefix cache (shared system prompts), and "
+                         "a stream's ITL while a long prompt arrives, chunked and whole")
+    from dmtd.bench.prefix_bench import add_prefix_bench_args
+
+    add_prefix_bench_args(bp)
+    bp.set_defaults(func=cmd_bench_prefix)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
     from dmtd.serve.bench import add_bench_serve_args

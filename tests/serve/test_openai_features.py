@@ -286,3 +286,19 @@ def test_closing_an_n_stream_frees_every_choices_slot(stack, client):
         stream.close()
         stats = wait_idle(stack, 30)
         assert stats["active"] == 0 and stats["free_slots"] == 8
+
+
+def test_a_shared_system_prompt_is_cached_and_the_text_stays_the_base_models(client, base):
+    """The second request with the same long system message reuses its whole chunks (usage reports them as
+    OpenAI does, prompt_tokens_details.cached_tokens); both texts are the base model's alone."""
+    system = " ".join(f"Rule {i}: answer kindly, briefly and accurately about topic {i}." for i in range(30))
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("Name a fruit.", "Name a colour.")]
+    rs = [client.chat.completions.create(model=VARIANT, messages=m, max_tokens=12, temperature=0, extra_body=EXACT)
+          for m in msgs]
+    assert rs[0].usage.prompt_tokens > 300
+    cached = rs[1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256 and cached % 128 == 0 and cached < rs[1].usage.prompt_tokens
+    for m, r in zip(msgs, rs):
+        ref = base.generate([m], SamplingParams(max_new_tokens=12, cycle_len=1))[0]
+        assert r.choices[0].message.content == ref.text

@@ -187,7 +187,11 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quant: str = "none"  # weight-only low-bit projections: "none", "int8" or "int4" (dmtd.engine.lowbit)
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 4096  # prompt positions a prefill step computes while no sequence decodes
+    # prompts are prefilled in chunks of this many positions (boundaries at its multiples from position 0); while
+    # sequences decode, a step prefills at most this many, and prefix caching reuses whole chunks
+    prefill_chunk: int = 128
+    prefix_caching: bool = True  # a prompt's leading chunks found in a slot are reused (dmtd.engine.prefix_cache)
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
     adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
     # with adaptive_drafts: drafts run at a batch size only while they measured more tokens per row-second there
@@ -207,6 +211,8 @@ class EngineConfig:
     phrase_drafts: bool = True
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:

@@ -190,50 +190,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run whole prompts through every layer; logits of each prompt's last position [n, V].
+        """Prompt positions ``num_prefilled .. prefill_end`` of each sequence through every layer, in chunks whose
+        boundaries sit at multiples of ``prefill_chunk`` from position 0; logits of the last prompt position of
+        each sequence whose prompt this completes [n, V].
 
-        One prompt at a time: a batch pads its prompts to the longest and masks attention, and the padded length
-        changes the order in which a position's attention is summed; alone, a prompt's KV and logits have the
-        same bits whatever arrived with it (the exact profile compares them with the base model's own).
+        One chunk of one prompt at a time: a batch pads its prompts to the longest and masks attention, and the
+        padded length changes the order in which a position's attention is summed. A chunk's rows, attention
+        reads and arithmetic depend on its tokens and those before it alone, so a prompt's KV and logits have
+        the same bits whatever arrived with it, however its prefill was split over steps, and whether its first
+        chunks were computed or taken from the prefix cache (the exact profile compares them with the base
+        model's own).
         """
-        if len(seqs) > 1:
-            return torch.cat([self.prefill([s]) for s in seqs])
+        out = []
+        C = self.cfg.prefill_chunk
+        for s in seqs:
+            start = s.num_prefilled
+            while start < s.prefill_end:
+                end = min((start // C + 1) * C, s.prefill_end)
+                h = self._prefill_chunk(s, start, end)
+                start = end
+            if s.prefill_end == s.num_tokens:
+                out.append(self.logits(h[:, -1]))
+        if not out:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return torch.cat(out)
+
+    def _prefill_chunk(self, s: Sequence, start: int, end: int) -> torch.Tensor:
+        """Positions ``start .. end - 1`` of one prompt through every layer (and the verifying path's decoding
+        group, for an exact request); the last layer's output [1, end - start, H]."""
         m, d = self.model, self.dmtd
-        lens = [s.num_tokens for s in seqs]
-        T = max(lens)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.token_ids)
-        ids = ids.to(self.device)
-        pos = torch.arange(T, device=self.device).expand(len(seqs), T)
-        lens_t = torch.tensor(lens, device=self.device)
-        valid = pos < lens_t[:, None]
-        ctx = self._context([s.slot for s in seqs], pos, None if all(n == T for n in lens) else valid)
+        ids = torch.tensor([s.token_ids[start:end]], device=self.device)
+        pos = torch.arange(start, end, device=self.device)[None]
+        ctx = self._context([s.slot], pos, None)
         h_enc = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
                                self.weights)
-        if d.phase_anchor == "absolute":
-            head = pos % torch.tensor([s.cycle_len for s in seqs], device=self.device)[:, None] == 0
-        else:
-            head = torch.ones_like(valid)
+        head = pos % s.cycle_len == 0 if d.phase_anchor == "absolute" else torch.ones_like(pos, dtype=torch.bool)
         x = route_decoding_input(h_enc, h_think, head, d.head_input)
-        last = (lens_t - 1)[:, None, None].expand(-1, 1, x.shape[-1])
         # The decoding group must still write KV for every prompt position; logits only for the last.
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
-        exact = [i for i, s in enumerate(seqs) if s.params.exact]
-        if exact:  # verified cycles: the prompt through the verifying path too; its logits are the output
+        if s.params.exact:  # verified cycles: the prompt through the verifying path too; its logits are the output
             self.enable_exact()
-            rows = torch.tensor(exact, device=self.device)
-            ectx = self._context([seqs[i].slot for i in exact], pos[rows],
-                                 None if all(lens[i] == T for i in exact) else valid[rows])
-            xv = route_decoding_input(h_enc[rows], h_think[rows], torch.ones_like(valid[rows]),
-                                      self.verifier.head_input)
-            hv = m.run_layers(xv, d.decoding_start, d.num_layers, ectx.cos, ectx.sin, self.verify_kv, ectx,
-                              self.verify_weights)
-            h = h.clone()
-            h[rows] = hv
-        return self.logits(h.gather(1, last)[:, 0])
+            xv = route_decoding_input(h_enc, h_think, torch.ones_like(head), self.verifier.head_input)
+            h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
+                             self.verify_weights)
+        return h
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler (torch-free): admission, cache slots, DMTD phases, blocks, retirement."""
+"""Continuous-batching scheduler (torch-free): admission, cache slots, chunked prefill, prefix reuse, DMTD phases,
+blocks, retirement."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from dmtd.engine.config import DMTDConfig
 from dmtd.engine.draft_policy import count_cycle
+from dmtd.engine.prefix_cache import PrefixCache, chain
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
 
@@ -17,10 +19,12 @@ class CapacityError(RequestError):
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step runs: either a prefill batch or a decode batch (heads and tails mixed)."""
+    """What one step runs: either prompt chunks (each sequence's ``num_prefilled`` .. ``prefill_end``) or a decode
+    batch (heads and tails mixed). ``copies``: prompt KV to copy first (source slot, target slot, positions)."""
 
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -47,10 +51,18 @@ class TokenEvent:
 
 
 class Scheduler:
-    """Admits and retires sequences at any step; one KV-cache slot per running sequence."""
+    """Admits and retires sequences at any step; one KV-cache slot per sequence from its admission.
+
+    A prompt is prefilled in chunks of ``prefill_chunk`` positions, their boundaries at multiples of it from
+    position 0; while other sequences decode, a step prefills at most one chunk's worth and the next step is
+    theirs, so a long prompt does not stall running streams for its whole prefill. With a prefix cache, an admitted
+    prompt's leading whole chunks found in a slot are taken or copied instead of computed
+    (:mod:`dmtd.engine.prefix_cache`).
+    """
 
     def __init__(self, dmtd: DMTDConfig, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int, align_phases: bool = False) -> None:
+                 max_prefill_tokens: int, align_phases: bool = False, prefill_chunk: int = 128,
+                 prefix_caching: bool = True) -> None:
         self.dmtd = dmtd
         # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
         # batched tail step reads only the decoding layers' weights. A row's first cycle after its
@@ -59,19 +71,23 @@ class Scheduler:
         self.num_decode_steps = 0
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = max(max_prefill_tokens, prefill_chunk)
+        self.prefill_chunk = prefill_chunk
+        self.prefix = PrefixCache(prefill_chunk) if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, their prompts partly prefilled
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_num_seqs))
+        self._free_slots = list(range(max_num_seqs))  # free and holding no prompt chunks
         heapq.heapify(self._free_slots)
+        self._last_prefill = False
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return len(self._free_slots) + (len(self.prefix.free_held) if self.prefix else 0)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens == 0:
@@ -87,32 +103,115 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        """Prefill newly admitted sequences if any fit, else one decode step for every running one."""
+        """Prompt chunks if any are due, else one decode step for every running sequence; with sequences
+        running, prefill and decode steps alternate."""
         out = SchedulerOutput()
-        budget = self.max_prefill_tokens
         if not self.running:
             self.num_decode_steps = 0  # idle: restart the shared clock, so a lone sequence keeps full cycles
-        while self.waiting and self._free_slots:
-            seq = self.waiting[0]
-            if out.prefill and seq.num_tokens > budget:
-                break
-            self.waiting.popleft()
-            seq.slot = heapq.heappop(self._free_slots)
-            seq.status = SequenceStatus.RUNNING
-            budget -= seq.num_tokens
-            out.prefill.append(seq)
-        if out.prefill:
-            self.running.extend(out.prefill)
-            self.running.sort(key=lambda s: s.slot)
-            return out
-        out.decode = list(self.running)
+        if not (self.running and self._last_prefill):
+            C = self.prefill_chunk
+            budget = C if self.running else self.max_prefill_tokens
+            queue = list(self.prefilling)
+            while budget > 0:
+                if queue:
+                    seq = queue.pop(0)
+                elif self.waiting and self.num_free_slots:
+                    seq = self.waiting.popleft()
+                    self._admit(seq, out)
+                else:
+                    break
+                left = seq.num_tokens - seq.num_prefilled
+                end = seq.num_tokens if left <= budget else seq.num_prefilled + budget // C * C
+                if end == seq.num_prefilled:
+                    break
+                seq.prefill_end = end
+                budget -= end - seq.num_prefilled
+                out.prefill.append(seq)
+        self._last_prefill = bool(out.prefill)
+        if not out.prefill:
+            out.decode = list(self.running)
         return out
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A slot for ``seq``: the free one that holds its prompt's leading chunks, else an empty one (or the
+        least recently freed), into which chunks found in a slot in use are copied."""
+        src, n = -1, 0
+        if self.prefix is not None:
+            salt = f"{int(seq.params.exact)}:{seq.cycle_len if self.dmtd.phase_anchor == 'absolute' else 0}"
+            seq.prefix_keys = chain(seq.token_ids, self.prefill_chunk, salt)
+            # at least the last prompt token is computed: its logits draw the first token
+            src, n = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
+            st = self.prefix.stats
+            st.lookups += 1
+            st.hits += n > 0
+            st.prompt_tokens += seq.num_tokens
+            st.cached_tokens += n * self.prefill_chunk
+        if src >= 0 and self.prefix is not None and src in self.prefix.free_held:
+            slot = src
+            self.prefix.taken(slot)
+            self.prefix.truncate(slot, n)
+        else:
+            slot = self._take_slot()
+            if src >= 0 and self.prefix is not None:
+                out.copies.append((src, slot, n * self.prefill_chunk))
+                self.prefix.stats.copied_tokens += n * self.prefill_chunk
+        seq.slot = slot
+        seq.num_prefilled = seq.num_cached_tokens = n * self.prefill_chunk
+        seq.status = SequenceStatus.RUNNING
+        self.prefilling.append(seq)
+
+    def reuse(self, seq: Sequence) -> tuple[int, int, int] | None:
+        """Right before ``seq``'s chunks run: whole chunks past its prefilled ones that another slot published since
+        its admission (a prompt admitted beside one with the same prefix), as a copy (source, target, positions)
+        to make first; its chunks this step start after them. None: nothing new."""
+        if self.prefix is None or seq.num_prefilled != seq.num_cached_tokens:
+            return None  # only before its first computed chunk: after it, its own chunks are as good
+        src, n = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
+        cached = n * self.prefill_chunk
+        if src < 0 or src == seq.slot or cached <= seq.num_prefilled:
+            return None
+        st = self.prefix.stats
+        st.hits += seq.num_cached_tokens == 0
+        st.cached_tokens += cached - seq.num_cached_tokens
+        st.copied_tokens += cached
+        seq.num_prefilled = seq.num_cached_tokens = cached
+        seq.prefill_end = max(seq.prefill_end, cached)
+        self.prefix.truncate(seq.slot, 0)
+        return src, seq.slot, cached
+
+    def _take_slot(self) -> int:
+        """An empty free slot, else the least recently freed one that holds chunks (they are dropped)."""
+        if self._free_slots:
+            return heapq.heappop(self._free_slots)
+        assert self.prefix is not None
+        slot = self.prefix.oldest_free()
+        assert slot is not None, "no free slot"
+        self.prefix.taken(slot)
+        self.prefix.truncate(slot, 0)
+        return slot
+
+    def prefilled(self, seqs: list[Sequence]) -> list[Sequence]:
+        """After a prefill step: the chunks are in the cache (published where whole); the sequences whose prompt
+        is now complete run from the next step and are returned, in order."""
+        done = []
+        for seq in seqs:
+            seq.num_prefilled = seq.prefill_end
+            if self.prefix is not None:
+                self.prefix.publish(seq.slot, seq.prefix_keys[: seq.num_prefilled // self.prefill_chunk])
+            if seq.num_prefilled == seq.num_tokens:
+                self.prefilling.remove(seq)
+                self.running.append(seq)
+                done.append(seq)
+        if done:
+            self.running.sort(key=lambda s: s.slot)
+        return done
 
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Run a sequence whose prompt KV another slot's prefill made (dmtd.engine.forks): a slot now, or False."""
-        if not self._free_slots:
+        if not self.num_free_slots:
             return False
-        seq.slot = heapq.heappop(self._free_slots)
+        seq.slot = self._take_slot()
+        seq.num_prefilled = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.running.sort(key=lambda s: s.slot)
@@ -258,8 +357,9 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            heapq.heappush(self._free_slots, seq.slot)
+            (self.prefilling if seq in self.prefilling else self.running).remove(seq)
+            if self.prefix is None or not self.prefix.released(seq.slot):
+                heapq.heappush(self._free_slots, seq.slot)
         else:
             self.waiting.remove(seq)
         seq.slot = -1

@@ -116,6 +116,10 @@ class Sequence:
     context_vocab: set[int] = field(default_factory=set)  # context ids outside the draft vocabulary (runner.draft)
     context_vocab_seen: int = 0  # token_ids looked at for them so far
     num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
+    num_prefilled: int = 0  # prompt positions whose KV is in the slot (chunked prefill)
+    prefill_end: int = 0  # the current prefill step computes positions num_prefilled .. prefill_end - 1
+    num_cached_tokens: int = 0  # prompt positions taken from the prefix cache, not computed
+    prefix_keys: list[bytes] = field(default_factory=list)  # the prompt's whole chunks' keys (prefix cache)
     num_drafted: int = 0
     num_accepted: int = 0
     draft_target: int | None = None  # this cycle's draft count chosen by the engine's policy (None: τ − 1)

@@ -89,7 +89,8 @@ def to_token_block(b: Block, variant: str, ttft_ms: float | None) -> pb.TokenBlo
         u = b.usage or Usage()
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                     blocks=u.blocks, heads=u.heads, cycles_cut=u.cycles_cut,
-                                    drafted_tokens=u.drafted_tokens, accepted_tokens=u.accepted_tokens))
+                                    drafted_tokens=u.drafted_tokens, accepted_tokens=u.accepted_tokens,
+                                    cached_tokens=u.cached_tokens))
     return msg
 
 

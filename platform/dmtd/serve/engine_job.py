@@ -63,6 +63,7 @@ class SeqInfo:
     drafted: int
     accepted: int
     exact: bool
+    cached: int = 0  # prompt tokens from the prefix cache
 
 
 @dataclass
@@ -121,7 +122,7 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
             seq = e.seqs.get(o.req_id)
             if seq is not None and (o.block or o.finished):
                 info[o.req_id] = SeqInfo(seq.params.min_confidence, seq.num_cycles_cut, seq.num_drafted,
-                                          seq.num_accepted, seq.params.exact)
+                                          seq.num_accepted, seq.params.exact, seq.num_cached_tokens)
         for o in outputs:
             if o.finished:
                 e.release(o.req_id)

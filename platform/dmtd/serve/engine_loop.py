@@ -78,7 +78,18 @@ class EngineLoop:
                 "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
-                "loop_restarts": self.restarts}
+                "loop_restarts": self.restarts, **self.prefix_stats()}
+
+    def prefix_stats(self) -> dict[str, Any]:
+        """The prefix cache's counters: lookups, hits, prompt and cached tokens, and the cached share of them."""
+        pc = self.engine.scheduler.prefix
+        if pc is None:
+            return {}
+        st = pc.stats
+        return {"prefix_lookups": st.lookups, "prefix_hits": st.hits, "prefix_prompt_tokens": st.prompt_tokens,
+                "prefix_cached_tokens": st.cached_tokens,
+                "prefix_hit_ratio": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+                "prefix_cached_chunks": pc.num_cached_chunks}
 
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
@@ -371,7 +382,8 @@ class EngineLoop:
                                 blocks=live.block_index, heads=live.num_heads,
                                 cycles_cut=seq.cycles_cut if seq else 0,
                                 drafted_tokens=seq.drafted if seq else 0,
-                                accepted_tokens=seq.accepted if seq else 0)
+                                accepted_tokens=seq.accepted if seq else 0,
+                                cached_tokens=seq.cached if seq else 0)
             if seq is not None and seq.exact:
                 block.verifier = self.engine.verifier_name
             self.live.pop(o.req_id, None)  # the engine's thread released it after the step

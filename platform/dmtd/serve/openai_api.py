@@ -68,6 +68,7 @@ def openai_usage(usage: dict[str, int]) -> dict[str, Any]:
     u: dict[str, Any] = {"prompt_tokens": usage.get("prompt_tokens", 0),
                          "completion_tokens": usage.get("completion_tokens", 0)}
     u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    u["prompt_tokens_details"] = {"cached_tokens": usage.get("cached_tokens", 0), "audio_tokens": 0}
     u["completion_tokens_details"] = {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
                                       "rejected_prediction_tokens": 0,
                                       "drafted_tokens": usage.get("drafted_tokens", 0),

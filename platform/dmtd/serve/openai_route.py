@@ -83,7 +83,7 @@ async def merged(core: GatewayCore, route: Route, reqs: list[ReplicaRequest],
 
 def _usage(choices: list[_Choice]) -> dict[str, int]:
     """The request's usage: the prompt once, the choices' completions and drafts summed."""
-    out = {"prompt_tokens": choices[0].usage.get("prompt_tokens", 0) if choices else 0}
+    out = {k: choices[0].usage.get(k, 0) if choices else 0 for k in ("prompt_tokens", "cached_tokens")}
     for key in ("completion_tokens", "drafted_tokens", "accepted_tokens"):
         out[key] = sum(c.usage.get(key, 0) for c in choices)
     return out

@@ -141,7 +141,7 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., block_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "blocks", "heads", "cycles_cut", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "blocks", "heads", "cycles_cut", "drafted_tokens", "accepted_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class Usage(_message.Message):
     CYCLES_CUT_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     blocks: int
@@ -156,7 +157,8 @@ class Usage(_message.Message):
     cycles_cut: int
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., heads: _Optional[int] = ..., cycles_cut: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., heads: _Optional[int] = ..., cycles_cut: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")

@@ -1,0 +1,202 @@
+"""Prefix caching and chunked prefill: the same tokens with the cache and without it, however prompts share
+prefixes, slots are evicted, and prefills are split over steps; the counters say what was reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmtd.engine.config import EngineConfig
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.prefix_cache import PrefixCache, chain
+from dmtd.engine.sequence import SamplingParams
+from tests.engine.test_exact import DMTD, base_model, in_dtype, variant_of
+
+
+def engine(seed: int, *, caching: bool, chunk: int, slots: int, dtype: str = "float32", noise: float = 0.02,
+           align_phases: bool = True) -> LLMEngine:
+    base = base_model(seed % 5, 0.05)
+    var, verifier = in_dtype(*variant_of(base, noise, seed), dtype)
+    cfg = EngineConfig(max_num_seqs=slots, max_model_len=256, dtype=dtype, prefill_chunk=chunk,
+                       prefix_caching=caching, align_phases=align_phases)
+    return LLMEngine(var, None, DMTD, cfg, default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+
+
+def rand_ids(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=g).tolist()
+
+
+def run_waves(e: LLMEngine, waves: list[list[list[int]]], params: list[SamplingParams]) -> list[list[int]]:
+    """Each wave's prompts added together and run to the end; a wave's last prompt is added one step late, so
+    it is admitted while the others run (chunked prefill beside decoding, copies from slots in use)."""
+    out, k = [], 0
+    for wave in waves:
+        ids = []
+        for i, p in enumerate(wave[:-1]):
+            ids.append(e.add_request(p, params[k + i]))
+        e.step()
+        ids.append(e.add_request(wave[-1], params[k + len(wave) - 1]))
+        k += len(wave)
+        while e.has_unfinished():
+            e.step()
+        out += [e.seqs[r].token_ids for r in ids]
+        for r in ids:
+            e.release(r)
+    return out
+
+
+@settings(max_examples=14, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 10_000), num_prefixes=st.integers(1, 3), prefix_len=st.integers(0, 40),
+       suffixes=st.lists(st.lists(st.integers(1, 14), min_size=1, max_size=4), min_size=1, max_size=4),
+       taus=st.lists(st.integers(1, 4), min_size=1, max_size=4), exact=st.booleans(),
+       dtype=st.sampled_from(["float32", "bfloat16"]), slots=st.sampled_from([2, 3, 8]),
+       chunk=st.sampled_from([4, 8, 16]), max_new=st.integers(1, 16))
+def test_tokens_are_the_same_with_and_without_the_prefix_cache(seed, num_prefixes, prefix_len, suffixes, taus,
+                                                               exact, dtype, slots, chunk, max_new):
+    """Random prompts over shared random prefixes, in waves, greedy, exact or DMTD profile with mixed τ, pools of
+    2-8 slots (held chunks evicted), chunks of 4-16 positions: tokens identical with and without the cache.
+    The DMTD profile runs without phase alignment: aligned, a row's heads fall where its neighbours' clock puts
+    them, so its tokens follow when its prompt finished prefilling (the cache makes that sooner), not its prompt
+    alone."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [rand_ids(g, prefix_len) for _ in range(num_prefixes)]
+    waves, n = [], 0
+    for wave in suffixes:
+        waves.append([prefixes[(n + i) % num_prefixes] + rand_ids(g, s) for i, s in enumerate(wave)])
+        n += len(wave)
+    params = [SamplingParams(max_new_tokens=max_new, cycle_len=taus[i % len(taus)], exact=exact) for i in range(n)]
+    ref = run_waves(engine(seed, caching=False, chunk=chunk, slots=slots, dtype=dtype, align_phases=exact), waves,
+                    params)
+    e = engine(seed, caching=True, chunk=chunk, slots=slots, dtype=dtype, align_phases=exact)
+    got = run_waves(e, waves, params)
+    assert got == ref
+    st_ = e.scheduler.prefix.stats
+    assert st_.lookups == n and st_.cached_tokens % chunk == 0
+    if n > 1 and prefix_len >= chunk + 1 and slots >= 2:
+        assert st_.hits > 0  # a later prompt starts with a whole chunk an earlier one holds
+    assert e.scheduler.num_free_slots == slots  # nothing held by a request after the end
+
+
+def test_a_free_slot_is_taken_and_a_slot_in_use_is_copied():
+    g = torch.Generator().manual_seed(3)
+    shared = rand_ids(g, 24)
+    e = engine(1, caching=True, chunk=8, slots=4)
+    p = SamplingParams(max_new_tokens=6, cycle_len=3, exact=True)
+    e.generate([shared + rand_ids(g, 5)], p)  # finished: its slot is free and holds 3 chunks
+    st_ = e.scheduler.prefix.stats
+    assert (st_.hits, st_.cached_tokens) == (0, 0)
+    held = next(iter(e.scheduler.prefix.free_held))
+    b = e.add_request(shared + rand_ids(g, 4), p)
+    e.step()  # admitted into the slot that holds its chunks: only its last 4 positions are computed
+    assert e.seqs[b].slot == held and e.seqs[b].num_cached_tokens == 24 and st_.copied_tokens == 0
+    c = e.add_request(shared + rand_ids(g, 7), p)
+    while e.seqs[c].slot < 0:
+        e.step()
+    assert e.seqs[c].num_cached_tokens == 24 and st_.copied_tokens == 24  # b still runs: copied from its slot
+    while e.has_unfinished():
+        e.step()
+    assert st_.hits == 2 and st_.cached_tokens == 48
+
+
+def test_cached_tokens_reach_the_result_and_equal_the_base_alone():
+    """The exact profile with the cache gives the verifier's own tokens (the base model alone, no cache)."""
+    g = torch.Generator().manual_seed(5)
+    shared = rand_ids(g, 33)
+    prompts = [shared + rand_ids(g, n) for n in (3, 9, 1)]
+    base = base_model(2, 0.05)
+    alone = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, prefill_chunk=8,
+                                                     prefix_caching=False), default_cycle_len=1, eos_token_ids=[])
+    ref = [alone.generate([p], SamplingParams(max_new_tokens=12))[0].token_ids for p in prompts]
+    var, verifier = variant_of(base, 0.02, 2)
+    e = LLMEngine(var, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, prefill_chunk=8),
+                  default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    got = [e.generate([p], SamplingParams(max_new_tokens=12, cycle_len=4, exact=True))[0].token_ids
+           for p in prompts]
+    assert got == ref
+    assert e.scheduler.prefix.stats.cached_tokens == 2 * 32
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_beside_running_rows():
+    g = torch.Generator().manual_seed(7)
+    e = engine(4, caching=False, chunk=8, slots=4)
+    p = SamplingParams(max_new_tokens=40, cycle_len=2)
+    e.add_request(rand_ids(g, 5), p)
+    e.step()  # prefilled: it runs
+    steps: list[str] = []
+    prefill, decode = e.runner.prefill, e._decode
+
+    def traced_prefill(seqs):
+        steps.append(f"P{sum(s.prefill_end - s.num_prefilled for s in seqs)}")
+        return prefill(seqs)
+
+    def traced_decode(out, t):
+        steps.append("D")
+        return decode(out, t)
+
+    e.runner.prefill, e._decode = traced_prefill, traced_decode
+    long = e.add_request(rand_ids(g, 60), p)
+    while e.seqs[long].num_prefilled < 60:
+        e.step()
+    # 60 positions: 7 chunks of 8 and one of 4, each after a decode step of the running row
+    assert steps == ["D", "P8"] * 7 + ["D", "P4"]
+    e.runner.prefill, e._decode = prefill, decode
+    while e.has_unfinished():
+        e.step()
+    assert len(e.seqs[long].token_ids) == 60 + 40
+
+
+def test_aborted_mid_prefill_frees_its_slot():
+    g = torch.Generator().manual_seed(9)
+    e = engine(6, caching=True, chunk=8, slots=2)
+    p = SamplingParams(max_new_tokens=30)
+    e.add_request(rand_ids(g, 3), p)
+    e.step()
+    long = e.add_request(rand_ids(g, 50), p)
+    e.step()  # the running row's decode step
+    e.step()  # the long prompt's first chunk
+    assert e.seqs[long].num_prefilled == 8 and e.scheduler.num_free_slots == 0
+    assert e.abort(long)
+    assert e.scheduler.num_free_slots == 1 and not e.scheduler.prefilling
+    while e.has_unfinished():
+        e.step()
+    assert e.scheduler.num_free_slots == 2
+
+
+def test_the_chain_and_the_index():
+    keys = chain(list(range(20)), 8, "1:0")
+    assert len(keys) == 2 and keys == chain(list(range(16)) + [99] * 4, 8, "1:0")
+    assert chain(list(range(20)), 8, "0:0")[0] != keys[0]  # the salt: exact or not, τ where it matters
+    assert chain([1] + list(range(1, 20)), 8, "1:0")[1] != keys[1]  # a chunk's key covers all before it
+    pc = PrefixCache(8)
+    pc.publish(3, keys)
+    assert pc.lookup(keys) == (3, 2) and pc.lookup(keys[:1]) == (3, 1) and pc.lookup([b"x"]) == (-1, 0)
+    assert pc.released(3) and pc.oldest_free() == 3
+    pc.taken(3)
+    pc.truncate(3, 1)
+    assert pc.lookup(keys) == (3, 1) and pc.stats.evicted_chunks == 1
+    pc.truncate(3, 0)
+    assert not pc.released(3) and pc.num_cached_chunks == 0
+
+
+@pytest.mark.parametrize("chunk", [0, -1])
+def test_a_chunk_length_below_one_is_refused(chunk):
+    from dmtd.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=chunk)
+
+
+def test_prompts_arriving_together_share_the_first_ones_chunks():
+    """Admitted in the same step, the second prompt copies the chunks the first one computed just before it."""
+    g = torch.Generator().manual_seed(11)
+    shared = rand_ids(g, 40)
+    prompts = [shared + rand_ids(g, n) for n in (2, 5, 9)]
+    p = SamplingParams(max_new_tokens=8, cycle_len=3, exact=True)
+    ref = engine(8, caching=False, chunk=8, slots=4).generate(prompts, p)
+    e = engine(8, caching=True, chunk=8, slots=4)
+    got = e.generate(prompts, p)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    st_ = e.scheduler.prefix.stats
+    assert st_.hits == 2 and st_.cached_tokens == st_.copied_tokens == 2 * 40
