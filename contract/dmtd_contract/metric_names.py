@@ -127,6 +127,17 @@ KV_CACHE_OCCUPANCY = MetricName(
     "dmtd_kv_cache_occupancy", "gauge", "Fraction of the replica's KV-cache token capacity in use (0..1).",
     REPLICA_LABELS,
 )
+PREFIX_CACHE_HIT_RATIO = MetricName(
+    "dmtd_prefix_cache_hit_ratio", "gauge",
+    "Share of the replica's prompt tokens whose KV came from its prefix cache since it started (0..1).",
+    REPLICA_LABELS,
+)
+ROUTE_DECISIONS_TOTAL = MetricName(
+    "dmtd_route_decisions_total", "counter",
+    "Requests the gateway routed to a replica, by reason (prefix: the replica holding the longest indexed "
+    "prefix; new_prefix: none held, the least loaded; load: the prefix's replica was too busy).",
+    (*GATEWAY_LABELS, "reason"), "gateway",
+)
 GPU_UTILIZATION = MetricName(
     "dmtd_gpu_utilization", "gauge", "Fraction of time the replica's GPU was busy (0..1; NVML, GPU only).",
     REPLICA_LABELS,
@@ -185,6 +196,8 @@ ALL: tuple[MetricName, ...] = (
     QUEUE_DEPTH,
     BATCH_SIZE,
     KV_CACHE_OCCUPANCY,
+    PREFIX_CACHE_HIT_RATIO,
+    ROUTE_DECISIONS_TOTAL,
     GPU_UTILIZATION,
     GPU_MEMORY_USED_BYTES,
     CPU_UTILIZATION,

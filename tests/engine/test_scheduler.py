@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dmtd.engine.config import DMTDConfig
-from dmtd.engine.scheduler import CapacityError, Scheduler
+from dmtd.engine.scheduler import CapacityError, Scheduler, SchedulerOutput
 from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
 
 
@@ -17,10 +17,12 @@ def seq(rid, n=4, tau=3, **kw):
     return Sequence(rid, list(range(1, n + 1)), SamplingParams(**kw), cycle_len=tau)
 
 
-def drive(s: Scheduler, tokens_of, conf=0.9):
+def drive(s: Scheduler, tokens_of, conf=0.9, eos_ids=frozenset({0})):
     out = s.schedule()
+    if out.prefill:  # the prompt chunks are computed (by the runner, in the engine): the completed ones run
+        out = SchedulerOutput(prefill=s.prefilled(out.prefill))
     toks = [tokens_of(q) for q in out.seqs]
-    return out, s.postprocess(out, toks, [conf] * len(toks), eos_ids={0})
+    return out, s.postprocess(out, toks, [conf] * len(toks), eos_ids=eos_ids)
 
 
 def test_admission_respects_slots_and_frees_them():
@@ -67,8 +69,7 @@ def test_low_confidence_tail_token_is_dropped_and_redone_at_a_head():
     confs = [0.9, 0.9, 0.2, 0.9, 0.9, 0.9, 0.9]
     evs = []
     for i, c in enumerate(confs):
-        out = s.schedule()
-        evs += s.postprocess(out, [10 + i], [c], eos_ids=set())
+        evs += drive(s, lambda q, i=i: 10 + i, c, set())[1]
     # step 2 (a tail, conf .2) is dropped: no token, the block so far closes, and the same position
     # runs again as a head at step 3
     assert [e.token_id for e in evs] == [10, 11, -1, 13, 14, 15, 16]
@@ -83,8 +84,7 @@ def test_low_confidence_tail_token_is_dropped_and_redone_at_a_head():
     s.add(seq("b", n=4, tau=3, max_new_tokens=4, min_confidence=0.5))
     evs = []
     for c in (0.1, 0.9, 0.9, 0.9):
-        out = s.schedule()
-        evs += s.postprocess(out, [7], [c], eos_ids=set())
+        evs += drive(s, lambda q: 7, c, set())[1]
     assert [e.token_id for e in evs] == [7, 7, 7, 7]
     assert [e.is_head for e in evs] == [True, True, False, False]
     assert [e.block for e in evs if e.block] == [[7], [7, 7, 7]]

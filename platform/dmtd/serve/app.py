@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
+from dmtd.serve import prefix_router
 from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.controller import ControllerConfig
@@ -37,6 +38,7 @@ from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
 from dmtd.telemetry.gateway import GatewayTelemetry
 from dmtd.telemetry.logs import configure_json_logging
 from dmtd.web import asset_path
+from dmtd_contract import metric_names as m
 
 # no /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json stays
 http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas", docs_url=None,
@@ -111,6 +113,9 @@ class Gateway:
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
                                                               server_credentials(tls_cert_file, tls_key_file))
         self.replica_deployments = replica_deployments or {}
+        variant_of = {dep: v for v, dep in self.replica_deployments.items()}
+        prefix_router.LISTENERS.append(lambda dep, reason: self.telemetry.ins.add(
+            m.ROUTE_DECISIONS_TOTAL, 1, variant=variant_of.get(dep, dep), reason=reason))
         self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
         self.view: Any = None
         if registry_url:
@@ -339,9 +344,18 @@ def build_app(args: dict[str, Any]) -> Any:
         replica_actor: dict[str, Any] = {"num_cpus": float(args.get("replica_num_cpus", 1))}
         if replica_env:
             replica_actor["runtime_env"] = {"env_vars": dict(replica_env)}
+        routing = str(args.get("routing", "prefix"))
+        if routing not in ("prefix", "pow2"):
+            raise ValueError(f"routing: must be prefix or pow2, got {routing!r}")
+        router: dict[str, Any] = {}
+        if routing == "prefix":  # the replica likeliest to hold the prompt's prefix (Serve's default: pow2)
+            from ray.serve.config import RequestRouterConfig
+
+            cls: Any = "dmtd.serve.prefix_router:PrefixRouter"
+            router["request_router_config"] = RequestRouterConfig(request_router_class=cls)
         dep: Any = serve.deployment(DMTDReplica, name=name, num_replicas=replicas,
                                max_ongoing_requests=max_ongoing, health_check_period_s=5,
-                               ray_actor_options=replica_actor)
+                               ray_actor_options=replica_actor, **router)
         handles[v["name"]] = dep.bind(factory, int(args.get("max_queued", 64)), None, args.get("registry_url"),
                                       v["name"], telemetry, limits.model_dump(), stream_interval_ms)
         deployments[v["name"]] = name

@@ -97,7 +97,9 @@ class EngineLoop:
         capacity = e.cfg.max_num_seqs * e.cfg.max_model_len
         used = sum(s.num_tokens for s in list(e.scheduler.running))
         return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
-                            kv_occupancy=used / capacity if capacity else 0.0, tau=d.tau, tau_min=c.tau_min,
+                            kv_occupancy=used / capacity if capacity else 0.0,
+                            prefix_hit_ratio=float(self.prefix_stats().get("prefix_hit_ratio", 0.0)),
+                            tau=d.tau, tau_min=c.tau_min,
                             tau_max=c.tau_max, min_confidence=d.min_confidence)
 
     # -- requests ------------------------------------------------------------------------------

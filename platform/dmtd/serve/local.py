@@ -42,6 +42,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", default=None, help="variant to serve (default: the shipped variant, if any)")
     p.add_argument("--decoding-layers", type=int, default=None, help="with --variant none: DMTD split to run")
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--routing", choices=("prefix", "pow2"), default="prefix",
+                   help="with several replicas: prefix sends a request to the replica likeliest to hold its prompt's "
+                   "prefix in its cache (load first); pow2: Serve's default, the less busy of two at random")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="replicas' precision (default: the variant's recommendation, else auto: bfloat16 on a CPU "
                    "with AVX-512 or AVX2)")
@@ -206,6 +209,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
                       "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
                       "quant": getattr(args, "quant", None)}],
         "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
+        "routing": getattr(args, "routing", "prefix"),
         "itl_slo_ms": args.itl_slo_ms, "registry_url": url, "metrics_port": getattr(args, "metrics_port", 9464),
         "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),

@@ -30,6 +30,7 @@ class ReplicaState:
     queue_depth: int = 0
     batch_size: int = 0
     kv_occupancy: float = 0.0
+    prefix_hit_ratio: float = 0.0
     tau: int = 1
     tau_min: int = 1
     tau_max: int = 1
@@ -76,6 +77,7 @@ class ReplicaTelemetry:
         self.ins.observe(m.QUEUE_DEPTH, lambda: one(s().queue_depth))
         self.ins.observe(m.BATCH_SIZE, lambda: one(s().batch_size))
         self.ins.observe(m.KV_CACHE_OCCUPANCY, lambda: one(s().kv_occupancy))
+        self.ins.observe(m.PREFIX_CACHE_HIT_RATIO, lambda: one(s().prefix_hit_ratio))
         self.ins.observe(m.TAU, lambda: one(s().tau))
         self.ins.observe(m.TAU_MIN, lambda: one(s().tau_min))
         self.ins.observe(m.TAU_MAX, lambda: one(s().tau_max))

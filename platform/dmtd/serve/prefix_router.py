@@ -1,0 +1,133 @@
+"""Prefix-aware routing across a variant's replicas, on Serve's request-router API (what Ray Serve LLM's
+``PrefixCacheAffinityRouter`` does, without its detached tree actor: the gateway owns the only handle).
+
+Each replica keeps the prompts it served in its prefix cache (:mod:`dmtd.engine.prefix_cache`). The router keeps
+an approximate index of what it sent where: a hash chain over ``CHUNK_CHARS``-character runs of the prompt text
+(the gateway does not tokenise), each key → the replicas it went to and when. A request goes to the replica
+holding its longest indexed prefix unless that replica has ``imbalance`` more requests queued than the least
+loaded one (then the least loaded: load first); a prompt with no indexed prefix goes to the least loaded
+replica, ties to the one holding the fewest prefixes, so distinct system prompts spread over the replicas.
+Replicas that leave (scaled down, died) are dropped from the index. Decisions are counted by reason
+(:data:`DECISIONS`, exported by the gateway's telemetry).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+CHUNK_CHARS = 256  # about 64 SmolLM2 tokens: the index's grain
+MAX_KEYS = 200_000  # keys kept (least recently used dropped): ~50 M characters of prompts
+REASONS = ("prefix", "new_prefix", "load")
+DECISIONS: Counter[tuple[str, str]] = Counter()  # (deployment, reason) → decisions, in this process
+LISTENERS: list[Callable[[str, str], None]] = []  # told of each decision (deployment, reason): the gateway's metrics
+
+
+def prompt_text(req: Any) -> str:
+    """The text a replica's prompt starts with: chat messages as role and content, else the prompt, else ids."""
+    if getattr(req, "messages", None):
+        return "".join(f"<{m.get('role', '')}>{m.get('content', '')}\n" for m in req.messages)
+    if getattr(req, "prompt", None):
+        return str(req.prompt)
+    ids = getattr(req, "prompt_token_ids", None) or []
+    return ",".join(map(str, ids))
+
+
+def text_keys(text: str, chunk: int = CHUNK_CHARS) -> list[bytes]:
+    """Keys of the text's whole ``chunk``-character runs, each covering every character before its end."""
+    keys, prev = [], b""
+    for i in range(len(text) // chunk):
+        prev = hashlib.blake2b(prev + text[i * chunk: (i + 1) * chunk].encode(), digest_size=12).digest()
+        keys.append(prev)
+    return keys
+
+
+class PrefixIndex:
+    """Key → the replicas (ids as strings) that were sent a prompt with that prefix, least recently used first."""
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        self.max_keys = max_keys
+        self.keys: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+        self.roots: dict[str, set[bytes]] = {}  # replica → the first keys of its prompts (its prefixes)
+
+    def longest(self, keys: list[bytes], among: set[str]) -> tuple[int, set[str]]:
+        """The most leading keys some of ``among`` hold, and which of them hold that many."""
+        for i in range(len(keys) - 1, -1, -1):
+            holders = self.keys.get(keys[i])
+            if holders and (hit := among & holders.keys()):
+                return i + 1, hit
+        return 0, set()
+
+    def insert(self, keys: list[bytes], replica: str) -> None:
+        now = time.monotonic()
+        for k in keys:
+            self.keys.setdefault(k, {})[replica] = now
+            self.keys.move_to_end(k)
+        if keys:
+            self.roots.setdefault(replica, set()).add(keys[0])
+        while len(self.keys) > self.max_keys:
+            k, holders = self.keys.popitem(last=False)
+            for r in holders:
+                self.roots.get(r, set()).discard(k)
+
+    def drop(self, replica: str) -> None:
+        for holders in self.keys.values():
+            holders.pop(replica, None)
+        self.roots.pop(replica, None)
+
+    def num_prefixes(self, replica: str) -> int:
+        return len(self.roots.get(replica, ()))
+
+
+class PrefixRouter(RequestRouter):
+    """Serve's request router for the DMTD replicas: the replica most likely to hold the prompt's prefix,
+    with a load fallback (``request_router_kwargs``: ``imbalance``, ``chunk_chars``)."""
+
+    def initialize_state(self, imbalance: int = 4, chunk_chars: int = CHUNK_CHARS, **_: Any) -> None:
+        self.imbalance, self.chunk_chars = imbalance, chunk_chars
+        self.index = PrefixIndex()
+        self.name = self._deployment_id.name if getattr(self, "_deployment_id", None) else ""
+
+    def _load(self, r: RunningReplica) -> int:
+        n = self.replica_queue_len_cache.get(r.replica_id)
+        return 0 if n is None else int(n)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        load = {r.replica_id.to_full_id_str(): self._load(r) for r in candidate_replicas}
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        least = min(load.values())
+        keys: list[bytes] = []
+        if pending_request is not None and pending_request.args:
+            keys = text_keys(prompt_text(pending_request.args[0]), self.chunk_chars)
+        matched, holders = self.index.longest(keys, set(by_id))
+        if matched:
+            best = min(holders, key=lambda r: (load[r], r))
+            reason = "prefix" if load[best] - least <= self.imbalance else "load"
+        else:
+            best, reason = "", "new_prefix"
+        if reason != "prefix":
+            best = min(by_id, key=lambda r: (load[r], self.index.num_prefixes(r), r))
+        DECISIONS[(self.name, reason)] += 1
+        for listen in LISTENERS:
+            listen(self.name, reason)
+        self.index.insert(keys, best)
+        rest = sorted((r for r in by_id if r != best), key=lambda r: (load[r], r))
+        return [[by_id[best]], [by_id[r] for r in rest]] if rest else [[by_id[best]]]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = {r.to_full_id_str() for r in self.curr_replicas}
+        super().update_replicas(replicas)
+        for gone in before - {r.replica_id.to_full_id_str() for r in replicas}:
+            self.index.drop(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.drop(replica_id.to_full_id_str())
