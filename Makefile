@@ -55,9 +55,11 @@ test: setup lint
 images:
 	bash scripts/build-images.sh
 
-# llama.cpp for `dmtd bench engine --llama-cpp` (compiled once for this CPU; the wheel is cached).
+# llama.cpp for `dmtd bench engine --llama-cpp` (compiled once for this CPU; the wheel is cached); vLLM's CPU
+# build for `dmtd bench serve --against vllm`, in its own venv under $DMTD_CACHE (not .venv).
 bench-deps: setup
 	bash scripts/install-llama-cpp.sh
+	bash scripts/install-vllm.sh
 
 bench: bench-deps
 	$(BIN)/dmtd bench engine --llama-cpp --json docs/figures/bench_engine.json

@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dmtd.serve.bench_stages import collect_stages, cpu_per_token, cpu_snapshot
+from dmtd.serve.vllm_anchor import AGAINST
 from dmtd_contract.stats import percentile
 
 POLICIES = {"tau1": (1, 1), "tau3": (3, 3), "adaptive": (0, 0)}
@@ -55,6 +56,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default=None, metavar="LIST",
                    help="replicas' precisions to compare in one run, e.g. auto,float32: a stack per precision, one "
                         "after another, the same workload, then each row's tok/s against the last precision's")
+    p.add_argument("--against", default=None, choices=AGAINST,
+                   help="the same workload on vLLM's CPU build (`make bench-deps`) and on our OpenAI endpoint, one "
+                        "client for both (vllm bench serve): tok/s, TTFT, ITL and the ratios (dmtd.serve.vllm_anchor)")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
@@ -172,6 +176,10 @@ def open_loop(target: str, policy: str, rate: float, count: int, max_new: int, s
 
 
 def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
+    if getattr(args, "against", None) is not None:
+        from dmtd.serve.vllm_anchor import run_against
+
+        return run_against(args, default_variant)
     dtypes = [d for d in (getattr(args, "dtypes", None) or "").split(",") if d]
     if len(dtypes) > 1:
         return compare_dtypes(args, default_variant, dtypes)

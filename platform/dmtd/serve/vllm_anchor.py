@@ -1,0 +1,320 @@
+"""``dmtd bench serve --against vllm``: the same workload on vLLM's CPU build and on our OpenAI endpoint.
+
+One run, one external client for both sides: vLLM's own ``vllm bench serve`` (``--backend openai-chat``,
+``/v1/chat/completions``, greedy), from the venv ``scripts/install-vllm.sh`` makes under ``$DMTD_CACHE``. The
+sides run one after the other on this machine: ``vllm serve`` on the converted SmolLM2 safetensors (bf16, its
+defaults), then our stack as ``dmtd serve`` starts it by default (the shipped variant, its precision: bf16 where
+the kernels build; exact greedy requests: the base model's tokens). Each is started and stopped here, bound to
+127.0.0.1 on a free port.
+
+Workloads: ``chat`` (the eight chat prompts of the exact benchmarks, none in a training corpus; vLLM's custom
+dataset, sent as the user turn) at each ``--concurrency``; ``prefix`` (vLLM's ``prefix_repetition`` dataset:
+4 prefixes × 1,024 tokens + a 64-token suffix, at concurrency 4). EOS may end an answer (our OpenAI API has no
+``ignore_eos``); greedy on the same weights, both sides answer alike, and each row keeps its output tokens.
+
+vLLM's client measures ITL between streamed chunks: where a chunk carries several tokens (our replicas send a
+verified cycle's tokens together) the gap covers them all, so TPOT (decode time per output token) is the
+per-token figure to compare; both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+AGAINST = ("vllm",)
+# (key in our rows, key in vllm bench serve's result, heading)
+METRICS = (("tokens_per_s", "output_throughput", "tok/s"), ("ttft_mean_ms", "mean_ttft_ms", "TTFT mean"),
+           ("ttft_p50_ms", "p50_ttft_ms", "TTFT p50"), ("itl_p50_ms", "p50_itl_ms", "ITL p50"),
+           ("itl_p99_ms", "p99_itl_ms", "ITL p99"), ("tpot_p50_ms", "p50_tpot_ms", "TPOT p50"))
+COUNTS = (("requests", "completed"), ("failed", "failed"), ("output_tokens", "total_output_tokens"),
+          ("input_tokens", "total_input_tokens"), ("wall_s", "duration"))
+SIDES = ("vllm", "dmtd")
+# dmtd.bench.exact_bench.CHATS (the serving layer may not import the bench package; a test keeps them equal)
+CHAT_PROMPTS = (
+    "Explain in three sentences why the sky is blue.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three tips for staying focused while studying?",
+    "Describe how a bicycle works to a ten-year-old.",
+    "Give me a simple recipe for pancakes.",
+    "Why do cats purr? Answer in a short paragraph.",
+    "List five interesting facts about the moon.",
+    "How does a refrigerator keep food cold?",
+)
+PREFIX = {"prefixes": 4, "prefix_len": 1024, "suffix_len": 64, "concurrency": 4, "requests": 16}
+KVCACHE_GIB = "4"  # VLLM_CPU_KVCACHE_SPACE: fits a 24 GiB machine beside our stack's idle processes
+
+
+class AnchorError(RuntimeError):
+    """vLLM or its client did not run; the message says what and where its log is."""
+
+
+def vllm_venv() -> Path:
+    from dmtd.variants.smollm2 import cache_dir
+
+    return Path(os.environ.get("VLLM_VENV") or cache_dir() / "vllm-cpu")
+
+
+def check_args(args: argparse.Namespace) -> list[int]:
+    """The concurrencies of a valid ``--against`` run; a bad combination exits with code 2, naming the option."""
+    def usage(msg: str) -> SystemExit:
+        print(f"error: {msg}", file=sys.stderr)
+        return SystemExit(2)
+
+    if args.against not in AGAINST:
+        raise usage(f"--against: {args.against!r} is not one of {', '.join(AGAINST)}")
+    if args.server is not None:
+        raise usage("--against starts both servers itself: it cannot bench a running --server")
+    for opt in ("dtypes", "compare_engine"):
+        if getattr(args, opt, None):
+            raise usage(f"--against runs the stack as `dmtd serve` does by default: drop --{opt.replace('_', '-')}")
+    if args.rate > 0:
+        raise usage("--against runs closed-loop concurrencies only: drop --rate")
+    try:
+        conc = [int(c) for c in args.concurrency.split(",") if c]
+    except ValueError:
+        raise usage(f"--concurrency: {args.concurrency!r} is not a comma-separated list of integers") from None
+    if not conc or min(conc) < 1:
+        raise usage(f"--concurrency: {args.concurrency!r} needs positive integers")
+    if args.max_new_tokens < 1:
+        raise usage("--max-new-tokens must be at least 1")
+    return conc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)
+    return env
+
+
+def workloads(concurrency: list[int], requests_per_worker: int, max_new: int, dataset: Path,
+              prefix: bool = True) -> list[dict[str, Any]]:
+    """What ``vllm bench serve`` runs against each side: name, concurrency, request count, dataset options."""
+    out = [{"workload": "chat", "concurrency": n, "num_prompts": max(n * requests_per_worker, len(CHAT_PROMPTS)),
+            "dataset_args": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+                             "--custom-output-len", str(max_new)]} for n in concurrency]
+    if prefix:
+        p = PREFIX
+        out.append({"workload": "prefix", "concurrency": p["concurrency"], "num_prompts": p["requests"],
+                    "dataset_args": ["--dataset-name", "prefix_repetition",
+                                     "--prefix-repetition-prefix-len", str(p["prefix_len"]),
+                                     "--prefix-repetition-suffix-len", str(p["suffix_len"]),
+                                     "--prefix-repetition-num-prefixes", str(p["prefixes"]),
+                                     "--prefix-repetition-output-len", str(max_new)]})
+    return out
+
+
+def client_command(venv: Path, base_url: str, model: str, tokenizer: str, w: dict[str, Any], result: Path,
+                   seed: int = 0) -> list[str]:
+    """``vllm bench serve`` for one workload on one side (greedy; one warm-up request first)."""
+    return [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
+            "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", tokenizer,
+            *w["dataset_args"], "--num-prompts", str(w["num_prompts"]), "--max-concurrency", str(w["concurrency"]),
+            "--request-rate", "inf", "--temperature", "0", "--seed", str(seed), "--num-warmups", "1",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+def side_metrics(raw: dict[str, Any]) -> dict[str, Any]:
+    """Our names for a ``vllm bench serve`` result's figures."""
+    out = {k: raw.get(src) for k, src, _ in METRICS}
+    out.update({k: raw.get(src) for k, src in COUNTS})
+    return out
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    """ours / vLLM per metric (tok/s: above 1 is faster; latencies: below 1 is faster); None where undefined."""
+    out: dict[str, float | None] = {}
+    for k, _, _ in METRICS:
+        a, b = ours.get(k), theirs.get(k)
+        out[k] = a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+    return out
+
+
+def make_rows(results: dict[str, list[dict[str, Any]]], plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per workload and concurrency: each side's figures and the ratios."""
+    rows = []
+    for i, w in enumerate(plan):
+        vl, ours = side_metrics(results["vllm"][i]), side_metrics(results["dmtd"][i])
+        rows.append({"workload": w["workload"], "concurrency": w["concurrency"], "num_prompts": w["num_prompts"],
+                     "vllm": vl, "dmtd": ours, "ratio": ratios(ours, vl)})
+    return rows
+
+
+def _fmt(v: Any, ratio: bool = False) -> str:
+    if not isinstance(v, int | float):
+        return "—"
+    return f"{v:.2f}" if ratio else f"{v}" if isinstance(v, int) else f"{v:.1f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """vLLM's line, ours, then ours/vLLM per workload and concurrency (milliseconds; tok/s of output)."""
+    head = f"{'workload':>8} {'N':>3} {'side':>10} " + " ".join(f"{h:>9}" for _, _, h in METRICS) + f" {'out tok':>7}"
+    lines = [head]
+    for r in rows:
+        for side, label in (("vllm", "vLLM"), ("dmtd", "dmtd")):
+            m = r[side]
+            lines.append(f"{r['workload']:>8} {r['concurrency']:>3} {label:>10} "
+                         + " ".join(f"{_fmt(m[k]):>9}" for k, _, _ in METRICS) + f" {_fmt(m['output_tokens']):>7}")
+        lines.append(f"{'':>8} {'':>3} {'dmtd/vLLM':>10} "
+                     + " ".join(f"{_fmt(r['ratio'][k], True):>9}" for k, _, _ in METRICS))
+    return "\n".join(lines)
+
+
+def write_dataset(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHAT_PROMPTS))
+    return path
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def start_vllm(venv: Path, model_dir: str, port: int, name: str, log: Path,
+               timeout_s: float = 900.0) -> subprocess.Popen:
+    """``vllm serve`` (bf16, its defaults) on 127.0.0.1:port, in its own session; returns once /health answers."""
+    cmd = [str(venv / "bin" / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "bfloat16", "--served-model-name", name]
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AnchorError(f"vllm serve exited with {proc.returncode} (log {log}):\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(2)
+    stop_process(proc)
+    raise AnchorError(f"vllm serve did not answer /health within {timeout_s:.0f} s (log {log}):\n{_tail(log)}")
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the process's session (vLLM's engine core is a child), then SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_client(venv: Path, base_url: str, model: str, tokenizer: str, plan: list[dict[str, Any]],
+               workdir: Path, side: str) -> list[dict[str, Any]]:
+    """Every workload of ``plan`` against one server; each result as ``vllm bench serve`` saved it."""
+    out = []
+    for w in plan:
+        result = workdir / f"{side}-{w['workload']}-n{w['concurrency']}.json"
+        log = result.with_suffix(".log")
+        cmd = client_command(venv, base_url, model, tokenizer, w, result)
+        print(f"[{side}] {w['workload']} N={w['concurrency']} ({w['num_prompts']} requests) ...", flush=True)
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0 or not result.is_file():
+            raise AnchorError(f"vllm bench serve against {side} failed ({rc}; log {log}):\n{_tail(log)}")
+        raw = json.loads(result.read_text())
+        if raw.get("failed"):
+            errs = [e for e in raw.get("errors", []) if e][:2]
+            raise AnchorError(f"{raw['failed']} of {w['num_prompts']} requests to {side} failed (log {log}): {errs}")
+        out.append(raw)
+    return out
+
+
+def start_ours(args: argparse.Namespace, variant: str, max_conc: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Our stack as ``dmtd serve`` starts it by default (its parser's defaults), on free loopback ports."""
+    from dmtd.serve.local import add_serve_args, start_stack
+    from dmtd.variants.build import variant_precision
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    ns = p.parse_args([])
+    ns.host, ns.grpc_port, ns.http_port, ns.metrics_port = "127.0.0.1", free_port(), free_port(), free_port()
+    ns.model, ns.decoding_layers = args.model, args.decoding_layers
+    ns.max_num_seqs = max(ns.max_num_seqs, max_conc)  # the default (16) unless a concurrency needs more slots
+    info = start_stack(ns, variant)
+    dtype, quant = variant_precision(variant, ns.dtype, ns.quant, "cpu")
+    settings = {k: v for k, v in vars(ns).items() if k not in ("demo", "api_keys_file", "tls_cert", "tls_key")}
+    return info, {"variant": info["variant"], "dtype": dtype, "quant": quant, "serve_args": settings}
+
+
+def vllm_version(venv: Path) -> str:
+    py = venv / "bin" / "python"
+    r = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
+    """``dmtd bench serve --against vllm``."""
+    conc = check_args(args)
+    venv = vllm_venv()
+    if not (venv / "bin" / "vllm").is_file():
+        print(f"error: --against vllm needs vLLM's CPU build in {venv}: run `make bench-deps` "
+              "(scripts/install-vllm.sh)", file=sys.stderr)
+        raise SystemExit(2)
+    from dmtd.serve.local import stop_stack
+    from dmtd.serve.netns import isolate_network
+    from dmtd.variants.smollm2 import smollm2_dir
+
+    model_dir = str(args.model or smollm2_dir())
+    isolate_network()  # both servers and the client on loopback, in a namespace of this process's own
+    workdir = Path(tempfile.mkdtemp(prefix="dmtd-vs-vllm-"))
+    plan = workloads(conc, args.requests_per_worker, args.max_new_tokens, write_dataset(workdir / "chats.jsonl"))
+    results: dict[str, list[dict[str, Any]]] = {}
+    port = free_port()
+    proc = start_vllm(venv, model_dir, port, "smollm2", workdir / "vllm-serve.log")
+    try:
+        results["vllm"] = run_client(venv, f"http://127.0.0.1:{port}", "smollm2", model_dir, plan, workdir, "vllm")
+    finally:
+        stop_process(proc)
+    info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
+    try:
+        results["dmtd"] = run_client(venv, info["http"], info["variant"], model_dir, plan, workdir, "dmtd")
+    finally:
+        stop_stack()
+    rows = make_rows(results, plan)
+    result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir,
+              "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve --backend "
+              "openai-chat --endpoint /v1/chat/completions", "vllm_serve": {"dtype": "bfloat16",
+              "VLLM_CPU_KVCACHE_SPACE": vllm_env()["VLLM_CPU_KVCACHE_SPACE"]}, "dmtd": ours,
+              "workloads": plan, "rows": rows, "workdir": str(workdir),
+              "raw": results}
+    print("\n" + format_table(rows))
+    print("(ms; tok/s of output tokens; dmtd/vLLM: above 1 is faster for tok/s, below 1 for latencies; ITL is per "
+          "streamed chunk, TPOT per output token)")
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    return result
