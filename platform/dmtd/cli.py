@@ -139,6 +139,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_routing(args: argparse.Namespace) -> int:
+    from dmtd.bench.routing_bench import run_routing_bench
+
+    run_routing_bench(args, default_variant())
+    return 0
+
+
 def cmd_cost_report(args: argparse.Namespace) -> int:
     from dmtd.telemetry.report import run_cost_report
 
@@ -252,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("serve", help="load over real gRPC: τ=1 vs τ=3 vs adaptive at several concurrencies")
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
+    br = bsub.add_parser("routing", help="two replicas, shared system prompts: prefix-aware routing beside Serve's "
+                         "default, one run")
+    from dmtd.bench.routing_bench import add_routing_bench_args
+
+    add_routing_bench_args(br)
+    br.set_defaults(func=cmd_bench_routing)
     s = sub.add_parser("serve", help="run the whole stack locally (Ray, registry, gateway, replicas)")
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
