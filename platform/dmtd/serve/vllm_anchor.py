@@ -1,11 +1,11 @@
 """``dmtd bench serve --against vllm``: the same workload on vLLM's CPU build and on our OpenAI endpoint.
 
 One run, one external client for both sides: vLLM's own ``vllm bench serve`` (``--backend openai-chat``,
-``/v1/chat/completions``, greedy), from the venv ``scripts/install-vllm.sh`` makes under ``$DMTD_CACHE``. The
-sides run one after the other on this machine: ``vllm serve`` on the converted SmolLM2 safetensors (bf16, its
-defaults), then our stack as ``dmtd serve`` starts it by default (the shipped variant, its precision: bf16 where
-the kernels build; exact greedy requests: the base model's tokens). Each is started and stopped here, bound to
-127.0.0.1 on a free port.
+``/v1/chat/completions``, greedy), from the venv ``scripts/install-vllm.sh`` makes under ``$DMTD_CACHE``. Both
+servers are started here, bound to 127.0.0.1 on free ports, and stopped at the end: ``vllm serve`` on the
+converted SmolLM2 safetensors (bf16, its defaults) and our stack as ``dmtd serve`` starts it by default (the
+shipped variant, its precision: bf16 where the kernels build; exact greedy requests: the base model's tokens).
+Each workload runs on vLLM, then at once on ours: the idle side waits while the other is measured.
 
 Workloads: ``chat`` (the eight chat prompts of the exact benchmarks, none in a training corpus; vLLM's custom
 dataset, sent as the user turn) at each ``--concurrency``; ``prefix`` (vLLM's ``prefix_repetition`` dataset:
@@ -290,18 +290,22 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     isolate_network()  # both servers and the client on loopback, in a namespace of this process's own
     workdir = Path(tempfile.mkdtemp(prefix="dmtd-vs-vllm-"))
     plan = workloads(conc, args.requests_per_worker, args.max_new_tokens, write_dataset(workdir / "chats.jsonl"))
-    results: dict[str, list[dict[str, Any]]] = {}
+    # both servers up, each workload on vLLM then on ours right after: on a shared machine, a drift of its
+    # speed falls between workloads rather than between the two sides of one row
+    results: dict[str, list[dict[str, Any]]] = {"vllm": [], "dmtd": []}
     port = free_port()
     proc = start_vllm(venv, model_dir, port, "smollm2", workdir / "vllm-serve.log")
     try:
-        results["vllm"] = run_client(venv, f"http://127.0.0.1:{port}", "smollm2", model_dir, plan, workdir, "vllm")
+        info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
+        try:
+            for w in plan:
+                results["vllm"] += run_client(venv, f"http://127.0.0.1:{port}", "smollm2", model_dir, [w], workdir,
+                                              "vllm")
+                results["dmtd"] += run_client(venv, info["http"], info["variant"], model_dir, [w], workdir, "dmtd")
+        finally:
+            stop_stack()
     finally:
         stop_process(proc)
-    info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
-    try:
-        results["dmtd"] = run_client(venv, info["http"], info["variant"], model_dir, plan, workdir, "dmtd")
-    finally:
-        stop_stack()
     rows = make_rows(results, plan)
     result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve --backend "
