@@ -310,7 +310,7 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve --backend "
               "openai-chat --endpoint /v1/chat/completions", "vllm_serve": {"dtype": "bfloat16",
-              "VLLM_CPU_KVCACHE_SPACE": vllm_env()["VLLM_CPU_KVCACHE_SPACE"]}, "dmtd": ours,
+              **{k: v for k, v in vllm_env().items() if k.startswith("VLLM_CPU_")}}, "dmtd": ours,
               "workloads": plan, "rows": rows, "workdir": str(workdir),
               "raw": results}
     print("\n" + format_table(rows))
