@@ -140,7 +140,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_routing(args: argparse.Namespace) -> int:
-    from dmtd.bench.routing_bench import run_routing_bench
+    from dmtd.serve.routing_bench import run_routing_bench
 
     run_routing_bench(args, default_variant())
     return 0
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_serve)
     br = bsub.add_parser("routing", help="two replicas, shared system prompts: prefix-aware routing beside Serve's "
                          "default, one run")
-    from dmtd.bench.routing_bench import add_routing_bench_args
+    from dmtd.serve.routing_bench import add_routing_bench_args
 
     add_routing_bench_args(br)
     br.set_defaults(func=cmd_bench_routing)
