@@ -200,3 +200,30 @@ def test_prompts_arriving_together_share_the_first_ones_chunks():
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     st_ = e.scheduler.prefix.stats
     assert st_.hits == 2 and st_.cached_tokens == st_.copied_tokens == 2 * 40
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smollm2_long_shared_prompts_batched_and_cached_give_the_base_models_tokens(dtype):
+    """SmolLM2, a ~430-token system prompt shared by 4 chats: positions below ROW_PREFILL_END as rows of one call
+    (bf16: packed weights), the rest in chunks, the prompts prefilled together and from the prefix cache; the
+    exact profile's tokens are the base model's, each prompt alone and without the cache."""
+    from dmtd.bench.exact_bench import CHATS
+    from dmtd.engine.runner import ROW_PREFILL_END
+    from dmtd.variants.build import build_engine, engine_spec
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    prec = getattr(torch, dtype)
+    system = " ".join(f"Guideline {i}: keep answers short, kind and correct about item {i}." for i in range(30))
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": c}] for c in CHATS[:4]]
+    base = build_engine(engine_spec(None, "none", dtype=prec),
+                        EngineConfig(max_num_seqs=2, max_model_len=1024, dtype=dtype, prefix_caching=False))
+    assert len(base.encode(prompts[0])) > ROW_PREFILL_END + 128
+    ref = [base.generate([p], SamplingParams(max_new_tokens=16))[0].token_ids for p in prompts]
+    e = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]),
+                     EngineConfig(max_num_seqs=4, max_model_len=1024, dtype=dtype, adaptive_drafts=True))
+    assert e.runner._rows_prefill_ok() == (dtype == "bfloat16")  # packed weights: rows in one call
+    exact = SamplingParams(max_new_tokens=16, cycle_len=3, exact=True)
+    together = [r.token_ids for r in e.generate(prompts, exact)]
+    again = [r.token_ids for r in e.generate(prompts[::-1], exact)][::-1]  # from the cache, in another order
+    assert together == ref and again == ref
+    assert e.scheduler.prefix.stats.cached_tokens >= 7 * 384

@@ -357,6 +357,17 @@ class Transformer(nn.Module):
             h = layer_forward(weights[i], cfg, h, cos, sin, None if caches is None else caches[i], ctx)
         return h
 
+    def run_rows(self, h: torch.Tensor, start: int, end: int, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 ctx: StepContext, weights: list[LayerWeights]) -> torch.Tensor:
+        """Layers ``start..end`` over rows ``h`` [1, R, H] by ``dmtd::rows_layers``: row r is position
+        ``ctx.write_pos[r]`` of slot ``ctx.write_slots[r]`` (any number of rows, of any slots; the caller checked
+        ``rows_args``)."""
+        if start == end:
+            return h
+        fused = self.rows_args(weights, caches, start, end)
+        assert fused is not None, "layers the rows op does not run"
+        return self._fused_rows(h, ctx, *fused)
+
     def forward_lower(self, input_ids: torch.Tensor, dmtd: DMTDConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoding then thinking layers over whole sequences [B, T] → (h_enc, h_think)."""
         T = input_ids.shape[1]
