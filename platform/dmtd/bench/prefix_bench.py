@@ -117,6 +117,23 @@ def itl_under_long_prompt(engine: Any, long_prompt: str, max_new: int) -> dict[s
             "p99_over_steady_p50": p(during, 0.99) / p(steady, 0.5)}
 
 
+def prefill_step(engine: Any, prompts: list[str], repeats: int = 3) -> float:
+    """Best seconds of the step that prefills ``prompts`` admitted together (nothing else running)."""
+    from dmtd.engine.sequence import SamplingParams
+
+    best = float("inf")
+    for _ in range(repeats):
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=2, exact=True)) for p in prompts]
+        t = time.perf_counter()
+        engine.step()
+        best = min(best, time.perf_counter() - t)
+        while engine.has_unfinished():
+            engine.step()
+        for r in ids:
+            engine.release(r)
+    return best
+
+
 def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "func"}}
     cached, plain = _engine(args), _engine(args, prefix_caching=False)
@@ -142,6 +159,10 @@ def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
         closed_loop(e, warm, 1, 8)
         itl[name] = itl_under_long_prompt(e, long_prompt, 96)
     result["itl_long_prompt"] = itl
+    chats = [chat("You are helpful.", q) for q in CHATS] * 2
+    wide = _engine(args, max_num_seqs=16, prefix_caching=False)
+    prefill_step(wide, chats[:1], 1)  # warm-up
+    result["prefill_step_ms"] = {n: 1e3 * prefill_step(wide, chats[:n]) for n in (1, 16)}
     print(f"\nshared prefixes: {args.prefixes} × ~{args.prefix_tokens} tokens, {args.requests} requests at "
           f"c={args.concurrency}, {args.max_new_tokens} new tokens, exact profile, {args.dtype}")
     print(f"{'':>16} {'TTFT mean':>10} {'TTFT p50':>9} {'tok/s':>7} {'cached':>7}")
@@ -153,6 +174,8 @@ def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
     for name, r in itl.items():
         print(f"{name:>16} {r['steady_p50_ms']:>8.0f}ms {r['during_p50_ms']:>8.0f}ms {r['during_p99_ms']:>6.0f}ms "
               f"{r['during_max_ms']:>6.0f}ms {r['p99_over_steady_p50']:>10.2f}")
+    steps = result["prefill_step_ms"]
+    print(f"\nthe step that prefills chat prompts admitted together: 1 in {steps[1]:.0f} ms, 16 in {steps[16]:.0f} ms")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json_path}")

@@ -325,13 +325,17 @@ def build_app(args: dict[str, Any]) -> Any:
     telemetry = {k: args[k] for k in TelemetrySettings.model_fields if args.get(k) is not None}
     telemetry.update(args.get("telemetry") or {})
     telemetry.setdefault("metrics_host", args.get("grpc_host", "127.0.0.1"))  # on Kubernetes: 0.0.0.0
+    # several replicas: each takes the CPUs Ray reserves for it (``replica_num_cpus``) as its torch threads, not
+    # every core of its node (replicas sharing a node would each spin a thread per core)
+    total_replicas = sum(int(v.get("replicas", args.get("replicas", 1))) for v in variants)
+    shared_threads = max(1, int(float(args.get("replica_num_cpus", 1)))) if total_replicas > 1 else 0
     for i, v in enumerate(variants):
         factory = EngineFactory(variant=v.get("variant", v["name"]), model=v.get("model") or v.get("model_uri"),
                                 decoding_layers=v.get("decoding_layers"),
                                 max_num_seqs=int(args.get("max_num_seqs", 16)),
                                 max_model_len=int(args.get("max_model_len", 2048)),
                                 itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
-                                torch_threads=int(args.get("torch_threads", 0)),
+                                torch_threads=int(args.get("torch_threads", 0)) or shared_threads,
                                 dtype=v.get("dtype", args.get("dtype")), quant=v.get("quant", args.get("quant")),
                                 adaptive_drafts=drafts_setting(v.get("drafts", args.get("drafts"))) == "adaptive",
                                 context_drafts=context_drafts_setting(v.get("context_drafts",
