@@ -101,3 +101,8 @@ def test_prompt_text_covers_messages_prompts_and_ids():
     assert prompt_text(R()) == "hello"
     R.prompt, R.prompt_token_ids = None, [1, 2]
     assert prompt_text(R()) == "1,2"
+    R.messages = ["hi", {"role": "user", "content": "U"}]  # malformed (the replica refuses it): still no error
+    assert prompt_text(R()) == "<>hi\n<user>U\n"
+    R.messages = [object()]
+    assert prompt_text(R()) == "<>" + str(R.messages[0]) + "\n"
+    assert prompt_text({"prompt": "a dict, not a record"}) == ""

@@ -29,13 +29,18 @@ LISTENERS: list[Callable[[str, str], None]] = []  # told of each decision (deplo
 
 
 def prompt_text(req: Any) -> str:
-    """The text a replica's prompt starts with: chat messages as role and content, else the prompt, else ids."""
-    if getattr(req, "messages", None):
-        return "".join(f"<{m.get('role', '')}>{m.get('content', '')}\n" for m in req.messages)
-    if getattr(req, "prompt", None):
-        return str(req.prompt)
-    ids = getattr(req, "prompt_token_ids", None) or []
-    return ",".join(map(str, ids))
+    """The text a replica's prompt starts with: chat messages as role and content, else the prompt, else ids; ""
+    for anything else. Never raises: a malformed request is the replica's to refuse (naming the field), and an
+    exception here would leave it unrouted."""
+    try:
+        if getattr(req, "messages", None):
+            return "".join(f"<{m.get('role', '')}>{m.get('content', '')}\n" if isinstance(m, dict) else f"<>{m}\n"
+                           for m in req.messages)
+        if getattr(req, "prompt", None):
+            return str(req.prompt)
+        return ",".join(map(str, getattr(req, "prompt_token_ids", None) or []))
+    except Exception:
+        return ""
 
 
 def text_keys(text: str, chunk: int = CHUNK_CHARS) -> list[bytes]:
@@ -101,12 +106,22 @@ class PrefixRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception:  # routing must never strand a request: every candidate, in Serve's order
+            return [list(candidate_replicas)]
+
+    def _choose(self, candidate_replicas: list[RunningReplica],
+                pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         load = {r.replica_id.to_full_id_str(): self._load(r) for r in candidate_replicas}
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         least = min(load.values())
         keys: list[bytes] = []
         if pending_request is not None and pending_request.args:
             keys = text_keys(prompt_text(pending_request.args[0]), self.chunk_chars)
+        if not keys:  # nothing to match (a short or malformed prompt): the least loaded replica, not indexed
+            return [sorted(candidate_replicas, key=lambda r: (load[r.replica_id.to_full_id_str()],
+                                                               r.replica_id.to_full_id_str()))]
         matched, holders = self.index.longest(keys, set(by_id))
         if matched:
             best = min(holders, key=lambda r: (load[r], r))
