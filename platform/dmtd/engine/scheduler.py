@@ -103,12 +103,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        """Prompt chunks if any are due, else one decode step for every running sequence; with sequences
-        running, prefill and decode steps alternate."""
+        """Prompt chunks if any are due, else one decode step for every running sequence. A new prompt is
+        prefilled at once; while a prompt is partly prefilled and others run, its chunks and decode steps
+        alternate."""
         out = SchedulerOutput()
         if not self.running:
             self.num_decode_steps = 0  # idle: restart the shared clock, so a lone sequence keeps full cycles
-        if not (self.running and self._last_prefill):
+        if not (self.running and self._last_prefill and self.prefilling):
             C = self.prefill_chunk
             budget = C if self.running else self.max_prefill_tokens
             queue = list(self.prefilling)

@@ -114,6 +114,9 @@ class Gateway:
                                                               server_credentials(tls_cert_file, tls_key_file))
         self.replica_deployments = replica_deployments or {}
         variant_of = {dep: v for v, dep in self.replica_deployments.items()}
+        for v in variant_of.values():  # a zero series of each reason from the start
+            for reason in prefix_router.REASONS:
+                self.telemetry.ins.add(m.ROUTE_DECISIONS_TOTAL, 0, variant=v, reason=reason)
         prefix_router.LISTENERS.append(lambda dep, reason: self.telemetry.ins.add(
             m.ROUTE_DECISIONS_TOTAL, 1, variant=variant_of.get(dep, dep), reason=reason))
         self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
