@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 CHUNK_CHARS = 256  # about 64 SmolLM2 tokens: the index's grain
 MAX_KEYS = 200_000  # keys kept (least recently used dropped): ~50 M characters of prompts
@@ -89,9 +89,11 @@ class PrefixIndex:
         return len(self.roots.get(replica, ()))
 
 
-class PrefixRouter(RequestRouter):
+class PrefixRouter(FIFOMixin, RequestRouter):
     """Serve's request router for the DMTD replicas: the replica most likely to hold the prompt's prefix,
-    with a load fallback (``request_router_kwargs``: ``imbalance``, ``chunk_chars``)."""
+    with a load fallback (``request_router_kwargs``: ``imbalance``, ``chunk_chars``). Requests are routed in
+    arrival order (``FIFOMixin``, as Serve's own router): without it, concurrent requests could be left waiting
+    on routing tasks that had taken others (n copies of one prompt hung)."""
 
     def initialize_state(self, imbalance: int = 4, chunk_chars: int = CHUNK_CHARS, **_: Any) -> None:
         self.imbalance, self.chunk_chars = imbalance, chunk_chars
