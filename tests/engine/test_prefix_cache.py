@@ -207,7 +207,7 @@ def test_smollm2_long_shared_prompts_batched_and_cached_give_the_base_models_tok
     (bf16: packed weights), the rest in chunks, the prompts prefilled together and from the prefix cache; the
     exact profile's tokens are the base model's, each prompt alone and without the cache."""
     from dmtd.bench.exact_bench import CHATS
-    from dmtd.engine.runner import ROW_PREFILL_END
+    from dmtd.engine.prefill import ROW_PREFILL_END
     from dmtd.variants.build import build_engine, engine_spec
     from dmtd.variants.paths import SHIPPED_VARIANTS
 

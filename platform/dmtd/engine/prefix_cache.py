@@ -95,3 +95,11 @@ class PrefixCache:
     @property
     def num_cached_chunks(self) -> int:
         return len(self.entries)
+
+    def report(self) -> dict[str, float]:
+        """The counters as a replica reports them: lookups, hits, prompt and cached tokens, the cached share."""
+        st = self.stats
+        return {"prefix_lookups": st.lookups, "prefix_hits": st.hits, "prefix_prompt_tokens": st.prompt_tokens,
+                "prefix_cached_tokens": st.cached_tokens,
+                "prefix_hit_ratio": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+                "prefix_cached_chunks": self.num_cached_chunks}

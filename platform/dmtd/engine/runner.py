@@ -10,6 +10,7 @@ from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.kv_cache import KVCache
 from dmtd.engine.model import LayerWeights, StepContext, Transformer, project, route_decoding_input
+from dmtd.engine.prefill import Prefill
 from dmtd.engine.sequence import Sequence
 from dmtd.engine.verifier import Verifier, own_verifier
 
@@ -20,18 +21,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_CONTEXT_IDS = 1024  # context ids a draft pass adds to the draft vocabulary at most
 
 
-# prompt positions below this run as rows of one dmtd::rows_layers call per step, several prompts together (each
-# row alone: the bits of a position do not depend on the rows beside it); later ones in chunks through SDPA, whose
-# matrix products read long contexts faster than one row's attention at a time
-ROW_PREFILL_END = 256
-
-
 def _slot_range(slots: list[int]) -> tuple[int, int] | None:
     a = slots[0]
     return (a, a + len(slots)) if slots == list(range(a, a + len(slots))) else None
 
 
-class ModelRunner:
+class ModelRunner(Prefill):
     """Owns the model and its KV cache; turns a batch of sequences into next-token logits.
 
     A decode step runs, for every row, the encoding group and the decoding group at the row's
@@ -193,118 +188,6 @@ class ModelRunner:
             cos, sin = cos.to(self.act_dtype), sin.to(self.act_dtype)
         return StepContext(cos, sin, mask, read_len, slot_t, _slot_range(slots), write_slots, write_pos, rows,
                            one)
-
-    @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Prompt positions ``num_prefilled .. prefill_end`` of each sequence through every layer, in chunks whose
-        boundaries sit at multiples of ``prefill_chunk`` from position 0; logits of the last prompt position of
-        each sequence whose prompt this completes [n, V].
-
-        One chunk of one prompt at a time: a batch pads its prompts to the longest and masks attention, and the
-        padded length changes the order in which a position's attention is summed. A chunk's rows, attention
-        reads and arithmetic depend on its tokens and those before it alone, so a prompt's KV and logits have
-        the same bits whatever arrived with it, however its prefill was split over steps, and whether its first
-        chunks were computed or taken from the prefix cache (the exact profile compares them with the base
-        model's own).
-        """
-        C = self.cfg.prefill_chunk
-        last: dict[int, torch.Tensor] = {}  # sequence index → its last prompt position's output [1, H]
-        rows = self._row_chunks(seqs)
-        if rows:
-            last.update(self._prefill_rows(seqs, rows))
-        for i, s in enumerate(seqs):
-            start = max(s.num_prefilled, rows.get(i, (0, s.num_prefilled))[1])
-            while start < s.prefill_end:
-                end = min((start // C + 1) * C, s.prefill_end)
-                last[i] = self._prefill_chunk(s, start, end)[:, -1]
-                start = end
-        done = [self.logits(last[i]) for i, s in enumerate(seqs) if s.prefill_end == s.num_tokens]
-        if not done:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return torch.cat(done)
-
-    def _row_chunks(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
-        """Each sequence's positions this step that run as rows of one ``dmtd::rows_layers`` call with the others'
-        (index → start, end): those below ``ROW_PREFILL_END`` where layer groups run in one call (packed weights,
-        the kernels built). Which positions do is a function of the positions alone, never of what shares the
-        step: a row is computed alone, so a prompt's bits do not depend on the prompts batched with it."""
-        if not self.model.fused_layers:
-            return {}
-        if any(s.params.exact for s in seqs):
-            self.enable_exact()
-        if not self._rows_prefill_ok():
-            return {}
-        out = {}
-        for i, s in enumerate(seqs):
-            end = min(s.prefill_end, ROW_PREFILL_END)
-            if s.num_prefilled < end:
-                out[i] = (s.num_prefilled, end)
-        return out
-
-    def _rows_prefill_ok(self) -> bool:
-        m, d = self.model, self.dmtd
-        groups = [(0, d.thinking_start), (d.thinking_start, d.decoding_start), (d.decoding_start, d.num_layers)]
-        if any(a < b and m.rows_args(self.weights, self.kv, a, b) is None for a, b in groups):
-            return False
-        if self.verify_kv is None:
-            return True
-        return m.rows_args(self.verify_weights, self.verify_kv, d.decoding_start, d.num_layers) is not None
-
-    def _prefill_rows(self, seqs: list[Sequence], rows: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
-        """The prompt positions ``rows`` of several sequences as the rows of one pass per layer group; the output
-        [1, H] of each sequence's last row."""
-        m, d, dev = self.model, self.dmtd, self.device
-        order = sorted(rows)
-        ids = [t for i in order for t in seqs[i].token_ids[rows[i][0]: rows[i][1]]]
-        pos = torch.tensor([p for i in order for p in range(*rows[i])], device=dev)
-        slots = torch.tensor([seqs[i].slot for i in order for _ in range(*rows[i])], device=dev)
-        owner = torch.tensor([k for k, i in enumerate(order) for _ in range(*rows[i])], device=dev)
-        none = torch.empty(0, device=dev)
-        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], None, slots, pos,
-                          None)  # rows_layers reads only the rows' slots and positions
-        x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
-        h_enc = m.run_rows(x, 0, d.thinking_start, self.kv, ctx, self.weights)
-        h_think = m.run_rows(h_enc, d.thinking_start, d.decoding_start, self.kv, ctx, self.weights)
-        if d.phase_anchor == "absolute":
-            taus = torch.tensor([seqs[i].cycle_len for i in order], device=dev)[owner]
-            head = (pos % taus == 0)[None]
-        else:
-            head = torch.ones_like(pos, dtype=torch.bool)[None]
-        h = m.run_rows(route_decoding_input(h_enc, h_think, head, d.head_input), d.decoding_start, d.num_layers,
-                       self.kv, ctx, self.weights)
-        exact = [k for k, i in enumerate(order) if seqs[i].params.exact]
-        if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
-            assert self.verify_kv is not None
-            keep = torch.isin(owner, torch.tensor(exact, device=dev))
-            vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, slots[:0], None, slots[keep], pos[keep], None)
-            xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),
-                                      self.verifier.head_input)
-            h = h.clone()
-            h[:, keep] = m.run_rows(xv, d.decoding_start, d.num_layers, self.verify_kv, vctx, self.verify_weights)
-        ends = torch.cumsum(torch.tensor([rows[i][1] - rows[i][0] for i in order]), 0) - 1
-        return {i: h[:, int(ends[k])] for k, i in enumerate(order)}
-
-    def _prefill_chunk(self, s: Sequence, start: int, end: int) -> torch.Tensor:
-        """Positions ``start .. end - 1`` of one prompt through every layer (and the verifying path's decoding
-        group, for an exact request); the last layer's output [1, end - start, H]."""
-        m, d = self.model, self.dmtd
-        ids = torch.tensor([s.token_ids[start:end]], device=self.device)
-        pos = torch.arange(start, end, device=self.device)[None]
-        ctx = self._context([s.slot], pos, None)
-        h_enc = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
-                             self.kv, ctx, self.weights)
-        h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
-                               self.weights)
-        head = pos % s.cycle_len == 0 if d.phase_anchor == "absolute" else torch.ones_like(pos, dtype=torch.bool)
-        x = route_decoding_input(h_enc, h_think, head, d.head_input)
-        # The decoding group must still write KV for every prompt position; logits only for the last.
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
-        if s.params.exact:  # verified cycles: the prompt through the verifying path too; its logits are the output
-            self.enable_exact()
-            xv = route_decoding_input(h_enc, h_think, torch.ones_like(head), self.verifier.head_input)
-            h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
-                             self.verify_weights)
-        return h
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -81,15 +81,8 @@ class EngineLoop:
                 "loop_restarts": self.restarts, **self.prefix_stats()}
 
     def prefix_stats(self) -> dict[str, Any]:
-        """The prefix cache's counters: lookups, hits, prompt and cached tokens, and the cached share of them."""
         pc = self.engine.scheduler.prefix
-        if pc is None:
-            return {}
-        st = pc.stats
-        return {"prefix_lookups": st.lookups, "prefix_hits": st.hits, "prefix_prompt_tokens": st.prompt_tokens,
-                "prefix_cached_tokens": st.cached_tokens,
-                "prefix_hit_ratio": st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
-                "prefix_cached_chunks": pc.num_cached_chunks}
+        return {} if pc is None else pc.report()
 
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
