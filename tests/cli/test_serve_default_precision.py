@@ -55,7 +55,9 @@ def test_dmtd_serve_defaults_to_bf16_exact_and_four_concurrent_requests_get_the_
     (tmp_path / "client.py").write_text(CLIENT)
     dmtd, py = str(Path(sys.executable).with_name("dmtd")), sys.executable
     script = (f"ip link set lo up; {dmtd} serve --http-port 18123 --grpc-port 19123 > {tmp_path}/serve.log 2>&1 & "
-              f"pid=$!; {py} {tmp_path}/client.py http://127.0.0.1:18123 '{json.dumps(CHATS)}' {MAX_TOKENS}; rc=$?; "
+              f"pid=$!; for i in $(seq 600); do grep -q 'dmtd is serving' {tmp_path}/serve.log && break; "
+              "kill -0 $pid 2>/dev/null || break; sleep 1; done; "  # the banner, printed once the stack is up
+              f"{py} {tmp_path}/client.py http://127.0.0.1:18123 '{json.dumps(CHATS)}' {MAX_TOKENS}; rc=$?; "
               "kill -TERM $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done; "
               "kill -KILL $pid 2>/dev/null; exit $rc")
     done = subprocess.run(["unshare", "-n", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
