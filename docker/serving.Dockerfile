@@ -49,7 +49,10 @@ RUN if [ -f /host-ca.crt ]; then export PIP_CERT=/host-ca.crt; fi \
  && chmod 1777 "$DMTD_CACHE" \
  && python3 -c "import dmtd.serve.app, dmtd_contract, ray, torch; print('torch', torch.__version__, 'ray', ray.__version__)"
 
-RUN useradd --create-home --uid 1000 ray
+# KubeRay starts `ray start` through `/bin/bash -lc`: a login shell takes PATH from /etc/profile, which drops
+# /opt/venv/bin (`ray: command not found` in every pod; tests/cluster caught it).
+RUN echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/dmtd-venv.sh \
+ && useradd --create-home --uid 1000 ray
 USER 1000
 WORKDIR /home/ray
 # Serve HTTP, Serve gRPC (the gateway), dmtd_* metrics.

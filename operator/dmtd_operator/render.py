@@ -9,13 +9,14 @@ KubeRay's in-tree node autoscaler, which only provisions what pending actors nee
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from dmtd_operator import resources as r
-from dmtd_operator.spec import DMTDDeploymentSpec
+from dmtd_operator.spec import DMTDDeploymentSpec, Variant
 
 Body = dict[str, Any]
 
@@ -52,6 +53,35 @@ def _tls_args(t: Target) -> tuple[Body, Body]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}, {"tls_cert_file": cert, "tls_key_file": key}
 
 
+REGISTRY_SCHEME = "registry://"
+
+
+def variant_args(v: Variant) -> Body:
+    """One CRD variant as ``build_app`` reads it: ``registry://<id>`` names a variant the image ships
+    (``variant``); any other URI is the model the replica loads (``model``: a directory, ``smollm2`` the
+    embedded default). A bare ``model_uri`` reached ``build_app`` as the variant's *name*, which no replica
+    could resolve (tests/cluster: DEPLOY_FAILED, "variant 'smollm2-dmtd' not found")."""
+    if v.model_uri.startswith(REGISTRY_SCHEME):
+        return {"name": v.name, "variant": v.model_uri.removeprefix(REGISTRY_SCHEME), "weight": v.weight}
+    return {"name": v.name, "variant": "none", "model": v.model_uri, "weight": v.weight}
+
+
+def worker_cpus(spec: DMTDDeploymentSpec) -> int:
+    """Whole CPUs of one worker pod: its Ray ``num-cpus``, a CPU replica's ``num_cpus`` and torch threads."""
+    return max(1, math.ceil(quantity_cpu(spec.serving.worker_cpu)))
+
+
+def quantity_cpu(value: str) -> float:
+    """A Kubernetes CPU quantity ("500m", "4") in cores."""
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+def _replica_actor(spec: DMTDDeploymentSpec) -> Body:
+    """A CPU replica takes its whole worker pod (one replica per pod, as with GPUs); a GPU replica its GPUs."""
+    gpus = spec.resources.gpus_per_replica
+    return {"num_gpus": gpus} if gpus else {"num_cpus": worker_cpus(spec), "num_gpus": 0}
+
+
 def serve_config(t: Target) -> Body:
     """The Serve config (serveConfigV2) as a dict."""
     s = t.spec
@@ -70,9 +100,7 @@ def serve_config(t: Target) -> Body:
                     "deployment": t.name,
                     "namespace": t.namespace,
                     "registry_url": t.registry_url,
-                    "variants": [
-                        {"name": v.name, "model_uri": v.model_uri, "weight": v.weight} for v in s.variants
-                    ],
+                    "variants": [variant_args(v) for v in s.variants],
                     "gpus_per_replica": s.resources.gpus_per_replica,
                     "metrics_port": r.METRICS_PORT,
                     "grpc_host": "0.0.0.0",
@@ -86,13 +114,14 @@ def serve_config(t: Target) -> Body:
                     {
                         "name": r.REPLICA_DEPLOYMENT,
                         "num_replicas": t.replicas,
-                        "ray_actor_options": {"num_gpus": s.resources.gpus_per_replica},
+                        "ray_actor_options": _replica_actor(s),
                         "user_config": {"tau_min": t.tau_min, "tau_max": t.tau_max},
                     },
                     {
                         "name": r.GATEWAY_DEPLOYMENT,
                         "num_replicas": 1,
-                        "ray_actor_options": {"num_cpus": 1, "resources": {r.GATEWAY_RESOURCE: 1}},
+                        # no CPU: the head offers none (below), so no replica lands beside the gateway
+                        "ray_actor_options": {"num_cpus": 0, "resources": {r.GATEWAY_RESOURCE: 1}},
                     },
                 ],
             }
@@ -100,12 +129,14 @@ def serve_config(t: Target) -> Body:
     }
 
 
-def _env(t: Target) -> list[Body]:
+def _env(t: Target, worker: bool) -> list[Body]:
     env: list[Body] = [
         {"name": "DMTD_DEPLOYMENT", "value": t.name},
         {"name": "DMTD_REGISTRY_URL", "value": t.registry_url},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
+    if worker:  # a replica's torch threads: its pod's CPUs, not every core of the node (os.cpu_count())
+        env.append({"name": "DMTD_TORCH_THREADS", "value": str(worker_cpus(t.spec))})
     ref = t.spec.serving.api_keys_secret
     if ref is not None:  # read by the gateway (dmtd.serve.auth); the keys never enter the Serve config
         env.append({"name": "DMTD_API_KEYS", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
@@ -130,7 +161,7 @@ def _container(t: Target, name: str, cpu: str, memory: str, gpus: int) -> Body:
     return {
         "name": name,
         "image": t.spec.serving.image,
-        "env": _env(t),
+        "env": _env(t, name == "ray-worker"),
         "ports": [
             {"name": "serve", "containerPort": r.SERVE_HTTP_PORT},
             {"name": "grpc", "containerPort": r.GATEWAY_GRPC_PORT},
@@ -161,7 +192,11 @@ def ray_service(t: Target) -> Body:
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60},
                 "headGroupSpec": {
+                    # KubeRay takes num-cpus from the container's CPU *limit* only; the pods set requests, so
+                    # without these Ray would offer every core of the node. The head offers none: it runs the
+                    # gateway, Serve's controller and proxy (num_cpus 0), never a replica.
                     "rayStartParams": {
+                        "num-cpus": "0",
                         "num-gpus": "0",
                         "dashboard-host": "0.0.0.0",
                         "resources": json.dumps(json.dumps({r.GATEWAY_RESOURCE: 1})),
@@ -176,7 +211,7 @@ def ray_service(t: Target) -> Body:
                         "groupName": "replicas",
                         "minReplicas": 0,
                         "maxReplicas": s.replicas.max,
-                        "rayStartParams": {},
+                        "rayStartParams": {"num-cpus": str(worker_cpus(s))},
                         "template": {"metadata": {"labels": labels}, "spec": worker_pod},
                     }
                 ],

@@ -74,7 +74,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                         "variants": [
                             {
                                 "name": "smollm2-dmtd",
-                                "modelUri": "registry://smollm2-135m-instruct-dmtd",
+                                "modelUri": "registry://smollm2-135m-dmtd",
                                 "weight": 100,
                             }
                         ],

@@ -58,7 +58,7 @@ def test_create_renders_rayservice_gateway_and_registry(k8s: KubeEmulator) -> No
     assert app["import_path"] == "dmtd.serve.app:build_app"
     assert app["args"]["registry_url"] == "redis://dmtd-redis.dmtd:6379/0"
     assert app["args"]["variants"] == [
-        {"name": "smollm2-dmtd", "model_uri": "hf://dmtd/smollm2-135m-dmtd", "weight": 100}
+        {"name": "smollm2-dmtd", "variant": "none", "model": "hf://dmtd/smollm2-135m-dmtd", "weight": 100}
     ]
     replica = replica_deployment(rs)
     assert replica["num_replicas"] == 2

@@ -220,3 +220,22 @@ def test_api_errors_map_to_kopf_retry_policy(
     if delay is not None:
         assert isinstance(caught.value, kopf.TemporaryError) and caught.value.delay == delay
     assert caught.value.__cause__ is error
+
+
+def test_cpu_replicas_name_their_variant_and_stay_off_the_head() -> None:
+    """What tests/cluster found running the RayService: build_app's variant keys, and CPUs that KubeRay passes on."""
+    rs = render.ray_service(target(resources={"gpusPerReplica": 0}, serving={"workerCpu": "1500m"},
+                                   variants=[{"name": "a", "modelUri": "registry://smollm2-135m-dmtd"},
+                                             {"name": "b", "modelUri": "/models/x", "weight": 0}]))
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    assert app["args"]["variants"] == [{"name": "a", "variant": "smollm2-135m-dmtd", "weight": 100},
+                                       {"name": "b", "variant": "none", "model": "/models/x", "weight": 0}]
+    deps = {d["name"]: d for d in app["deployments"]}
+    assert deps[r.REPLICA_DEPLOYMENT]["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0}
+    assert deps[r.GATEWAY_DEPLOYMENT]["ray_actor_options"]["num_cpus"] == 0
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    worker = cluster["workerGroupSpecs"][0]
+    assert worker["rayStartParams"] == {"num-cpus": "2"}
+    env = {e["name"]: e["value"] for e in worker["template"]["spec"]["containers"][0]["env"]}
+    assert env["DMTD_TORCH_THREADS"] == "2"

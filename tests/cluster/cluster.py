@@ -1,0 +1,225 @@
+"""A Ray cluster started from a rendered RayService the way KubeRay starts it: one podman container per pod, on a
+podman bridge network of this test's private network namespace (each node its own address, as pods have)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.cluster import kuberay
+from tests.images.podman import PODMAN
+
+SHM_BYTES = 512 * 2**20  # KubeRay sizes /dev/shm by the memory request; Ray falls back to /tmp when it is small
+
+
+def podman(*args: str, timeout: float = 120, check: bool = True) -> str:
+    out = subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"podman {' '.join(args[:3])} failed: {out.stderr.strip()[-800:]}")
+    return out.stdout.strip()
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 10) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+@dataclass
+class PodNetwork:
+    """A podman bridge network; its gateway address is this namespace's side of the bridge."""
+
+    name: str
+    subnet_prefix: str  # "10.89.7"
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.subnet_prefix}.1"
+
+    def address(self, host: int) -> str:
+        return f"{self.subnet_prefix}.{host}"
+
+    def create(self) -> PodNetwork:
+        podman("network", "rm", "-f", self.name, check=False)
+        podman("network", "create", "--subnet", f"{self.subnet_prefix}.0/24", "--gateway", self.gateway, self.name)
+        return self
+
+    def remove(self) -> None:
+        podman("network", "rm", "-f", self.name, check=False)
+
+
+@dataclass
+class RayNode:
+    """One Ray pod: a container running KubeRay's command for its group, at a fixed address."""
+
+    spec: kuberay.NodeSpec
+    network: PodNetwork
+    ip: str
+    cpus: float
+    id: str = ""
+
+    def start(self) -> RayNode:
+        podman("rm", "-f", self.spec.name, check=False)
+        env = [a for k, v in self.spec.env.items() for a in ("-e", f"{k}={v}")]
+        self.id = podman("run", "-d", "--name", self.spec.name, "--hostname", self.spec.name,
+                         "--network", self.network.name, "--ip", self.ip, "--cpus", str(self.cpus),
+                         "--memory", str(self.spec.memory_bytes), "--shm-size", str(SHM_BYTES), *env,
+                         "--entrypoint", "/bin/bash", self.spec.image, "-lc", "--", self.spec.command)
+        return self
+
+    def ready(self) -> bool:
+        """KubeRay's readiness probes, sent from outside the pod as the kubelet does."""
+        for port, path in kuberay.probe_paths(self.spec.node_type):
+            try:
+                with urllib.request.urlopen(f"http://{self.ip}:{port}{path}", timeout=2) as resp:
+                    if resp.status != 200:
+                        return False
+            except (OSError, urllib.error.URLError):
+                return False
+        return True
+
+    def running(self) -> bool:
+        return podman("inspect", "-f", "{{.State.Running}}", self.spec.name, check=False) == "true"
+
+    def kill(self) -> None:
+        podman("kill", self.spec.name)
+
+    def logs(self, tail: int = 60) -> str:
+        out = subprocess.run([*PODMAN, "logs", "--tail", str(tail), self.spec.name], capture_output=True, text=True,
+                             timeout=60)
+        return out.stdout + out.stderr
+
+    def ray_logs(self, tail: int = 25) -> str:
+        """The tails of Ray's own logs in the pod (raylet, and the workers' stderr that names a crash)."""
+        script = (f"cd /tmp/ray/session_latest/logs 2>/dev/null && for f in raylet.out $(ls -t worker-*.err "
+                  f"2>/dev/null | head -3); do echo \"== $f\"; tail -n {tail} $f; done")
+        out = subprocess.run([*PODMAN, "exec", self.spec.name, "bash", "-c", script], capture_output=True,
+                             text=True, timeout=60)
+        return out.stdout[-8000:]
+
+    def remove(self) -> None:
+        podman("rm", "-f", "-t", "2", self.spec.name, check=False, timeout=120)
+
+
+@dataclass
+class RayCluster:
+    """The head and ``num_workers`` workers of a RayService, started as KubeRay would, and its Serve REST API."""
+
+    ray_service: dict[str, Any]
+    network: PodNetwork
+    num_workers: int = 2
+    prefix: str = "dmtd"
+    head: RayNode = field(init=False)
+    workers: list[RayNode] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        head_ip = self.network.address(10)
+        spec = kuberay.node_spec(self.ray_service, "head", f"{self.prefix}-head", head_ip)
+        self.head = RayNode(spec, self.network, head_ip, spec.cpu)
+        for i in range(self.num_workers):
+            ip = self.network.address(20 + i)
+            wspec = kuberay.node_spec(self.ray_service, "worker", f"{self.prefix}-worker-{i}", head_ip)
+            self.workers.append(RayNode(wspec, self.network, ip, wspec.cpu))
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{self.head.ip}:{kuberay.DASHBOARD_PORT}"
+
+    def start(self, timeout_s: float = 240) -> float:
+        """Head first, then the workers (KubeRay's workers wait for the head's GCS); seconds until all are ready."""
+        t0 = time.monotonic()
+        self.head.start()
+        self.wait_ready([self.head], timeout_s)
+        for w in self.workers:
+            w.start()
+        self.wait_ready(self.workers, timeout_s - (time.monotonic() - t0))
+        self.wait_nodes(1 + len(self.workers), timeout_s - (time.monotonic() - t0))
+        return time.monotonic() - t0
+
+    def wait_ready(self, nodes: list[RayNode], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(nodes)
+        while pending:
+            for n in list(pending):
+                if not n.running():
+                    raise RuntimeError(f"{n.spec.name} exited:\n{n.logs()}")
+                if n.ready():
+                    pending.remove(n)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not ready: {[n.spec.name for n in pending]}\n{pending[0].logs()}")
+            time.sleep(1)
+
+    def alive_nodes(self) -> list[dict[str, Any]]:
+        status, body = http_json("GET", f"{self.dashboard}/nodes?view=summary", timeout=10)
+        if status != 200 or not isinstance(body, dict):
+            return []
+        return [n for n in body["data"]["summary"] if n.get("raylet", {}).get("state") == "ALIVE"]
+
+    def wait_nodes(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.alive_nodes()) != count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.alive_nodes())} Ray nodes alive, expected {count}")
+            time.sleep(1)
+
+    def submit(self, serve_config: dict[str, Any]) -> None:
+        """What KubeRay's RayService controller does with serveConfigV2: PUT it to the head's dashboard."""
+        status, body = http_json("PUT", f"{self.dashboard}/api/serve/applications/", serve_config, timeout=60)
+        if status != 200:
+            raise RuntimeError(f"the dashboard refused the serve config: {status} {body}")
+
+    def serve_details(self) -> dict[str, Any]:
+        status, body = http_json("GET", f"{self.dashboard}/api/serve/applications/", timeout=20)
+        if status != 200 or not isinstance(body, dict):
+            raise RuntimeError(f"serve details: {status} {body}")
+        return body
+
+    def replicas(self, deployment: str, app: str = "dmtd") -> list[dict[str, Any]]:
+        try:
+            deps = self.serve_details()["applications"][app]["deployments"]
+        except (KeyError, RuntimeError):
+            return []
+        return list(deps.get(deployment, {}).get("replicas", []))
+
+    def running_replicas(self, deployment: str, app: str = "dmtd") -> list[dict[str, Any]]:
+        return [r for r in self.replicas(deployment, app) if r.get("state") == "RUNNING"]
+
+    def wait_app(self, app: str, timeout_s: float, replicas: dict[str, int] | None = None) -> float:
+        """Seconds until ``app`` is RUNNING (and each named deployment has that many RUNNING replicas)."""
+        t0 = time.monotonic()
+        last: Any = None
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                last = self.serve_details()["applications"].get(app)
+            except RuntimeError as e:
+                last = str(e)
+            if isinstance(last, dict):
+                if last.get("status") == "DEPLOY_FAILED":
+                    why = {d: (v.get("status"), v.get("message")) for d, v in last.get("deployments", {}).items()}
+                    raise RuntimeError(f"{app}: DEPLOY_FAILED: {last.get('message')} {why}")
+                counts_ok = all(len(self.running_replicas(d, app)) == n for d, n in (replicas or {}).items())
+                if last.get("status") == "RUNNING" and counts_ok:
+                    return time.monotonic() - t0
+            time.sleep(1)
+        raise TimeoutError(f"{app} not running after {timeout_s} s: {json.dumps(last)[:1500]}")
+
+    def node_of(self, ip: str) -> RayNode:
+        return next(n for n in [self.head, *self.workers] if n.ip == ip)
+
+    def remove(self) -> None:
+        for n in [*self.workers, self.head]:
+            n.remove()

@@ -1,0 +1,80 @@
+"""One Ray cluster from the operator's RayService for the module's tests: podman containers on a bridge network
+inside this process's private network namespace, Redis on the bridge's host side."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dmtd.serve.netns import isolate_network
+from dmtd_operator import render
+from dmtd_operator.spec import DMTDDeploymentSpec
+from tests.cluster import kuberay
+from tests.cluster.cluster import PodNetwork, RayCluster
+from tests.cluster.redis_proc import RedisProcess
+from tests.images.podman import image_missing, image_name, podman_unavailable
+
+NAME, NAMESPACE = "smollm2", "dmtd"
+REDIS_PORT = 6390
+# The chart's default DMTDDeployment (helm/dmtd/values.yaml), sized for this 2-core machine: CPU replicas.
+SPEC: dict[str, Any] = {
+    "variants": [{"name": "smollm2-dmtd", "modelUri": "registry://smollm2-135m-dmtd", "weight": 100}],
+    "replicas": {"min": 1, "max": 2},
+    "resources": {"gpusPerReplica": 0},
+    "slo": {"ttftP95Ms": 1000, "itlP95Ms": 50},
+    "tau": {"min": 1, "baseline": 1, "max": 4},
+    "serving": {"headCpu": "1", "headMemory": "3Gi", "workerCpu": "1", "workerMemory": "6Gi"},
+}
+
+
+def render_target(registry_url: str, replicas: int = 1, tau_max: int = 4) -> render.Target:
+    spec = DMTDDeploymentSpec.model_validate(SPEC)
+    return render.Target(NAME, NAMESPACE, spec, replicas, 1, tau_max, registry_url)
+
+
+@pytest.fixture(scope="session")
+def serving_image() -> str:
+    reason = podman_unavailable() or image_missing(image_name("serving"))
+    if reason is not None:
+        pytest.skip(reason)
+    return image_name("serving")
+
+
+@pytest.fixture(scope="session")
+def network(serving_image: str) -> Iterator[PodNetwork]:
+    isolate_network()
+    # netavark makes the bridge when the first container joins it; servers of this namespace (Redis, Prometheus)
+    # bind its gateway address before that
+    subprocess.run(["sysctl", "-qw", "net.ipv4.ip_nonlocal_bind=1"], check=True)
+    net = PodNetwork(f"dmtd-cluster-{os.getpid()}", f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}").create()
+    yield net
+    net.remove()
+
+
+@pytest.fixture(scope="session")
+def registry(network: PodNetwork, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    proc = RedisProcess(network.gateway, REDIS_PORT, tmp_path_factory.mktemp("redis")).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(network: PodNetwork, registry: RedisProcess) -> Iterator[RayCluster]:
+    rs = render.ray_service(render_target(registry.url))
+    c = RayCluster(rs, network, num_workers=2, prefix=network.name)
+    try:
+        c.start_s = c.start()
+        registry.wait()
+        c.submit(kuberay.serve_config(rs))
+        c.deploy_s = c.wait_app("dmtd", 300, {"DMTDReplica": 1, "Gateway": 1})
+        yield c
+    except BaseException:
+        for n in [c.head, *c.workers]:
+            print(f"--- {n.spec.name}\n{n.logs(30)}\n{n.ray_logs()}")
+        raise
+    finally:
+        c.remove()
