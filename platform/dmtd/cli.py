@@ -181,6 +181,13 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_pool(args: argparse.Namespace) -> int:
+    from dmtd.bench.pool_bench import run_pool_bench
+
+    run_pool_bench(args)
+    return 0
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from dmtd.train.commands import run_data
 
@@ -251,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_bench_args(bp)
     bp.set_defaults(func=cmd_bench_prefix)
+    bpo = bsub.add_parser("pool", help="the paged KV pool (64 sequences, 8,192 context) beside 16 fixed slots of "
+                          "2,048: chat requests, a burst, one long request beside a full batch")
+    from dmtd.bench.pool_bench import add_pool_bench_args
+
+    add_pool_bench_args(bpo)
+    bpo.set_defaults(func=cmd_bench_pool)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
     from dmtd.serve.bench import add_bench_serve_args

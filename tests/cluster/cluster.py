@@ -125,6 +125,8 @@ class RayCluster:
     prefix: str = "dmtd"
     head: RayNode = field(init=False)
     workers: list[RayNode] = field(default_factory=list)
+    start_s: float = 0.0  # nodes started until all ready
+    deploy_s: float = 0.0  # serve config submitted until the app runs
 
     def __post_init__(self) -> None:
         head_ip = self.network.address(10)

@@ -12,14 +12,17 @@ import pytest
 
 from dmtd.serve.netns import isolate_network
 from dmtd_operator import render
+from dmtd_operator import resources as r
 from dmtd_operator.spec import DMTDDeploymentSpec
 from tests.cluster import kuberay
 from tests.cluster.cluster import PodNetwork, RayCluster
+from tests.cluster.prom import PrometheusProcess, scrape_config
 from tests.cluster.redis_proc import RedisProcess
 from tests.images.podman import image_missing, image_name, podman_unavailable
 
 NAME, NAMESPACE = "smollm2", "dmtd"
 REDIS_PORT = 6390
+PROMETHEUS_PORT = 9090
 # The chart's default DMTDDeployment (helm/dmtd/values.yaml), sized for this 2-core machine: CPU replicas.
 SPEC: dict[str, Any] = {
     "variants": [{"name": "smollm2-dmtd", "modelUri": "registry://smollm2-135m-dmtd", "weight": 100}],
@@ -78,3 +81,14 @@ def cluster(network: PodNetwork, registry: RedisProcess) -> Iterator[RayCluster]
         raise
     finally:
         c.remove()
+
+
+@pytest.fixture(scope="session")
+def prometheus(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusProcess]:
+    """Scrapes every serving pod's metrics port every 2 s, as the chart's ServiceMonitor scrapes the
+    `<name>-metrics` Service (one endpoint per pod)."""
+    targets = [f"{n.ip}:{r.METRICS_PORT}" for n in [cluster.head, *cluster.workers]]
+    proc = PrometheusProcess(cluster.network.gateway, PROMETHEUS_PORT, tmp_path_factory.mktemp("prometheus"),
+                             scrape_config(NAMESPACE, NAME, targets, interval_s=2)).start()
+    yield proc
+    proc.stop()

@@ -27,7 +27,7 @@ class RedisProcess:
         exe = shutil.which("redis-server")
         assert exe is not None, "redis-server is missing (scripts/install-redis.sh installs it)"
         self.proc = subprocess.Popen([exe, "--bind", self.host, "--port", str(self.port), "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.workdir)],
+                                      "--appendonly", "yes", "--protected-mode", "no", "--dir", str(self.workdir)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return self
 

@@ -348,6 +348,8 @@ def _packed_draft_runner(seed: int, num_seqs: int, g: torch.Generator):
                     default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
     r = eng.runner
     r.enable_exact()
+    for slot in range(num_seqs):  # each cache row its own pages, in order (row 0: pages 0 ..), as the scheduler gives
+        assert r.cache.pages.grow(slot, 64)
     for k, v in r.kv:
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))

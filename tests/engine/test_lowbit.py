@@ -259,28 +259,52 @@ def _attention_reference(q, kc, vc, slots, lens):
     return out.reshape(B, nh * hd)
 
 
+def _paged(cache, page_size, gen):
+    """A contiguous cache [seqs, nkv, maxlen, hd] laid out in pages [pages, nkv, P, hd] in a shuffled order, and the
+    page table [seqs, maxlen / P] that reads it back."""
+    S, nkv, maxlen, hd = cache.shape
+    n = maxlen // page_size
+    order = torch.randperm(S * n, generator=gen)
+    pages = torch.empty(S * n, nkv, page_size, hd)
+    table = order.view(S, n)
+    for s in range(S):
+        for j in range(n):
+            pages[table[s, j]] = cache[s, :, j * page_size: (j + 1) * page_size]
+    return pages, table
+
+
 @pytest.mark.parametrize("hd", [64, 24])  # AVX-512 path (a multiple of 16) and the plain loops
-def test_attend_is_softmax_attention_and_a_row_gets_the_same_bits_alone_or_beside_others(hd):
-    """dmtd::attend (kernels/attend.h): every decode row's attention over its own slot's first ``len`` keys, one
+def test_attend_is_softmax_attention_and_a_row_gets_the_same_bits_alone_beside_others_and_in_pages(hd):
+    """dmtd::attend (kernels/attend.h): every decode row's attention over its own sequence's first ``len`` keys, one
     call a layer. A row's value is bitwise the same whatever else shares the call — the exact profile's check of a
-    chunk of positions rests on it — and every length from 1 to past one AVX-512 block is right."""
+    chunk of positions rests on it — and whether its keys sit in one run or in pages of 16 scattered over the pool;
+    every length from 1 to past one AVX-512 block is right."""
     torch.manual_seed(3)
     nh, nkv, slots_n, maxlen = 9, 3, 4, 80
     kc, vc = torch.randn(slots_n, nkv, maxlen, hd), torch.randn(slots_n, nkv, maxlen, hd)
+    whole = torch.arange(slots_n)[:, None]  # one page of maxlen positions per sequence: a contiguous cache
     slots = torch.tensor([2, 0, 2, 3, 1, 2])
     lens = torch.tensor([1, 17, 33, 16, 80, 34])
     q = torch.randn(6, nh, hd, dtype=torch.bfloat16)  # any float dtype in; float32 out
-    together = torch.ops.dmtd.attend(q, kc, vc, slots, lens, hd ** -0.5)
+    together = torch.ops.dmtd.attend(q, kc, vc, whole, slots, lens, hd ** -0.5)
     assert together.dtype == torch.float32 and together.shape == (6, nh * hd)
     torch.testing.assert_close(together.double(), _attention_reference(q.float(), kc, vc, slots, lens),
                                rtol=1e-5, atol=1e-5)
     for i in range(6):
-        alone = torch.ops.dmtd.attend(q[i: i + 1], kc, vc, slots[i: i + 1], lens[i: i + 1], hd ** -0.5)
+        alone = torch.ops.dmtd.attend(q[i: i + 1], kc, vc, whole, slots[i: i + 1], lens[i: i + 1], hd ** -0.5)
         assert torch.equal(alone[0], together[i])
-    with pytest.raises(RuntimeError, match="slot or length out of range"):
-        torch.ops.dmtd.attend(q[:1], kc, vc, torch.tensor([0]), torch.tensor([maxlen + 1]), 1.0)
+    gen = torch.Generator().manual_seed(7)
+    kp, table = _paged(kc, 16, gen)
+    vp = torch.empty_like(kp)
+    vp[table.flatten()] = vc.view(slots_n, nkv, maxlen // 16, 16, hd).transpose(1, 2).reshape(-1, nkv, 16, hd)
+    assert torch.equal(torch.ops.dmtd.attend(q, kp, vp, table, slots, lens, hd ** -0.5), together)
+    with pytest.raises(RuntimeError, match="sequence or length out of range"):
+        torch.ops.dmtd.attend(q[:1], kc, vc, whole, torch.tensor([0]), torch.tensor([maxlen + 1]), 1.0)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        torch.ops.dmtd.attend(q[:1], kp, vp, table.clamp(max=0) + kp.shape[0], torch.tensor([0]), torch.tensor([3]),
+                              1.0)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        torch.ops.dmtd.attend(q[:1], kc.double(), vc.double(), torch.tensor([0]), torch.tensor([3]), 1.0)
+        torch.ops.dmtd.attend(q[:1], kc.double(), vc.double(), whole, torch.tensor([0]), torch.tensor([3]), 1.0)
 
 
 def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():

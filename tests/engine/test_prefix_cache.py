@@ -19,7 +19,7 @@ def engine(seed: int, *, caching: bool, chunk: int, slots: int, dtype: str = "fl
            align_phases: bool = True) -> LLMEngine:
     base = base_model(seed % 5, 0.05)
     var, verifier = in_dtype(*variant_of(base, noise, seed), dtype)
-    cfg = EngineConfig(max_num_seqs=slots, max_model_len=256, dtype=dtype, prefill_chunk=chunk,
+    cfg = EngineConfig(max_num_seqs=slots, max_model_len=256, dtype=dtype, prefill_chunk=chunk, page_size=4,
                        prefix_caching=caching, align_phases=align_phases)
     return LLMEngine(var, None, DMTD, cfg, default_cycle_len=1, eos_token_ids=[], verifier=verifier)
 
@@ -79,22 +79,25 @@ def test_tokens_are_the_same_with_and_without_the_prefix_cache(seed, num_prefixe
     assert e.scheduler.num_free_slots == slots  # nothing held by a request after the end
 
 
-def test_a_free_slot_is_taken_and_a_slot_in_use_is_copied():
+def test_a_finished_prompts_chunks_and_a_running_ones_are_shared_pages():
     g = torch.Generator().manual_seed(3)
     shared = rand_ids(g, 24)
     e = engine(1, caching=True, chunk=8, slots=4)
     p = SamplingParams(max_new_tokens=6, cycle_len=3, exact=True)
-    e.generate([shared + rand_ids(g, 5)], p)  # finished: its slot is free and holds 3 chunks
+    e.generate([shared + rand_ids(g, 5)], p)  # finished: its 3 chunks stay published, their 6 pages cached
     st_ = e.scheduler.prefix.stats
-    assert (st_.hits, st_.cached_tokens) == (0, 0)
-    held = next(iter(e.scheduler.prefix.free_held))
+    pages = e.scheduler.pages
+    assert (st_.hits, st_.cached_tokens) == (0, 0) and len(pages.cached) == 6 and pages.num_used == 0
     b = e.add_request(shared + rand_ids(g, 4), p)
-    e.step()  # admitted into the slot that holds its chunks: only its last 4 positions are computed
-    assert e.seqs[b].slot == held and e.seqs[b].num_cached_tokens == 24 and st_.copied_tokens == 0
+    e.step()  # its table starts with the cached pages: only its last 4 positions are computed
+    table_b = pages.tables[e.seqs[b].slot]
+    assert e.seqs[b].num_cached_tokens == 24 and set(table_b[:6]) == pages.cached
     c = e.add_request(shared + rand_ids(g, 7), p)
     while e.seqs[c].slot < 0:
         e.step()
-    assert e.seqs[c].num_cached_tokens == 24 and st_.copied_tokens == 24  # b still runs: copied from its slot
+    table_c = pages.tables[e.seqs[c].slot]
+    assert e.seqs[c].num_cached_tokens == 24 and table_c[:6] == table_b[:6]  # b still runs: the same pages
+    assert all(pages.held[q] == 2 for q in table_b[:6]) and not set(table_b[6:]) & set(table_c[6:])
     while e.has_unfinished():
         e.step()
     assert st_.hits == 2 and st_.cached_tokens == 48
@@ -169,14 +172,15 @@ def test_the_chain_and_the_index():
     assert chain(list(range(20)), 8, "0:0")[0] != keys[0]  # the salt: exact or not, τ where it matters
     assert chain([1] + list(range(1, 20)), 8, "1:0")[1] != keys[1]  # a chunk's key covers all before it
     pc = PrefixCache(8)
-    pc.publish(3, keys)
-    assert pc.lookup(keys) == (3, 2) and pc.lookup(keys[:1]) == (3, 1) and pc.lookup([b"x"]) == (-1, 0)
-    assert pc.released(3) and pc.oldest_free() == 3
-    pc.taken(3)
-    pc.truncate(3, 1)
-    assert pc.lookup(keys) == (3, 1) and pc.stats.evicted_chunks == 1
-    pc.truncate(3, 0)
-    assert not pc.released(3) and pc.num_cached_chunks == 0
+    assert pc.publish(keys, [5, 6, 1, 2]) == [5, 6, 1, 2]  # two chunks of two pages
+    assert pc.publish(keys[:1], [7, 8]) == []  # published already: it keeps its pages
+    assert pc.lookup(keys) == (2, [5, 6, 1, 2]) and pc.lookup(keys[:1]) == (1, [5, 6]) and pc.lookup([b"x"]) == (0, [])
+    held = [0] * 9
+    held[5] = 1  # a row holds the first chunk's first page: only the second chunk can go
+    assert pc.evict(held) == [1, 2] and pc.evict(held) == [] and pc.stats.evicted_chunks == 1
+    assert pc.lookup(keys) == (1, [5, 6])
+    held[5] = 0
+    assert pc.evict(held) == [5, 6] and pc.num_cached_chunks == 0
 
 
 @pytest.mark.parametrize("chunk", [0, -1])
@@ -188,7 +192,7 @@ def test_a_chunk_length_below_one_is_refused(chunk):
 
 
 def test_prompts_arriving_together_share_the_first_ones_chunks():
-    """Admitted in the same step, the second prompt copies the chunks the first one computed just before it."""
+    """Admitted in the same step, the later prompts read the chunks the first one computed just before them."""
     g = torch.Generator().manual_seed(11)
     shared = rand_ids(g, 40)
     prompts = [shared + rand_ids(g, n) for n in (2, 5, 9)]
@@ -198,7 +202,7 @@ def test_prompts_arriving_together_share_the_first_ones_chunks():
     got = e.generate(prompts, p)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     st_ = e.scheduler.prefix.stats
-    assert st_.hits == 2 and st_.cached_tokens == st_.copied_tokens == 2 * 40
+    assert st_.hits == 2 and st_.cached_tokens == 2 * 40
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -66,7 +66,8 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
 class KubeEmulator:
     """Start with `with KubeEmulator() as k8s:`; `k8s.url` is the API server address."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -76,7 +77,7 @@ class KubeEmulator:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as handler, kmock.Server(handler) as server:
+        async with kmock.KubernetesEmulator() as handler, kmock.Server(handler, host=self.host) as server:
             for key, info in RESOURCES.items():
                 handler.resources[key] = info
             self.handler = handler

@@ -192,6 +192,13 @@ class EngineConfig:
     # sequences decode, a step prefills at most this many, and prefix caching reuses whole chunks
     prefill_chunk: int = 128
     prefix_caching: bool = True  # a prompt's leading chunks found in a slot are reused (dmtd.engine.prefix_cache)
+    # the KV cache is one pool of pages of page_size positions (dmtd.engine.kv_pages; with prefix caching, a divisor
+    # of prefill_chunk: gcd(page_size, prefill_chunk)); a sequence holds the pages of the positions it has written. kv_cache_tokens: the pool's positions (None: max_num_seqs × max_model_len, room
+    # for every sequence at full length); kv_cache_gib sizes it by memory instead (every layer group's KV, the
+    # verifier's and the tail path's stash counted)
+    page_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_gib: float | None = None
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
     adaptive_drafts: bool = False  # exact profile: draft the length with the most expected tokens per cost
     # with adaptive_drafts: drafts run at a batch size only while they measured more tokens per row-second there
@@ -217,6 +224,13 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ConfigError(f"kv_cache_tokens must be at least one page ({self.page_size}), got "
+                              f"{self.kv_cache_tokens}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ConfigError(f"dtype must be float32, bfloat16, float16 or float64, got {self.dtype!r}")
         if self.quant not in ("none", "int8", "int4"):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dmtd.engine.ops  # noqa: F401 — defines torch.ops.dmtd.linear before the loop is scripted
+from dmtd.engine.kv_cache import gather_pages
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,19 +30,13 @@ def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: i
     return torch.ops.dmtd.linear(x, w, s[i], mode)
 
 
-def _torch_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, s0: int, B: int,
-                     one: bool, shared: bool, contiguous: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045
+def _torch_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+                     B: int, one: bool, shared: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045
                      nkv: int, g: int, hd: int, scale: float, row_loop: int) -> torch.Tensor:
     """The decode rows' attention with torch's ops (where dmtd::attend is not built) → [B, nh·hd]."""
-    if one or shared:
-        keys = kc[s0: s0 + 1, :, :read_len]
-        vals = vc[s0: s0 + 1, :, :read_len]
-    elif contiguous:
-        keys = kc[s0: s0 + B, :, :read_len]
-        vals = vc[s0: s0 + B, :, :read_len]
-    else:
-        keys = kc[:, :, :read_len].index_select(0, slots)
-        vals = vc[:, :, :read_len].index_select(0, slots)
+    rows = slots[:1] if one or shared else slots
+    keys = gather_pages(kc, table, rows, read_len)
+    vals = gather_pages(vc, table, rows, read_len)
     if shared and row_loop >= B:
         # Row by row over its own keys, with exactly the ops of a one-row step at that position: no mask,
         # no key copy (a broadcast over the rows would copy the keys once per row), and the same value a
@@ -66,9 +61,10 @@ def _decode_layers(
     o: List[torch.Tensor], ln2: List[torch.Tensor], gate_up: List[torch.Tensor],  # noqa: UP006, UP045
     down: List[torch.Tensor], kc: List[torch.Tensor], vc: List[torch.Tensor],  # noqa: UP006, UP045
     cos: torch.Tensor, sin: torch.Tensor,  # [B, hd] (sin is the signed table)
-    slots: torch.Tensor, pos: torch.Tensor,  # [B] int64
-    slot_lo: int, contiguous: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045 — [B, read_len] bool
-    nh: int, nkv: int, hd: int, eps: float, shared: bool = False,  # shared: every row is a position of slot_lo
+    slots: torch.Tensor, pos: torch.Tensor,  # [B] int64: each row's sequence (its page-table row) and position
+    table: torch.Tensor,  # [sequences, pages] int64: the pages of each sequence's positions (dmtd.engine.kv_cache)
+    read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045 — [B, read_len] bool
+    nh: int, nkv: int, hd: int, eps: float, shared: bool = False,  # shared: the rows are positions of one sequence
     mode: int = 0,  # 0: dense input-major weights; else packed (dmtd.engine.lowbit) with these scales:
     s_qkv: Optional[List[torch.Tensor]] = None, s_o: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
     s_gu: Optional[List[torch.Tensor]] = None, s_down: Optional[List[torch.Tensor]] = None,  # noqa: UP006, UP045
@@ -83,18 +79,11 @@ def _decode_layers(
     cos3 = cos.unsqueeze(1)
     sin3 = sin.unsqueeze(1)
     one = B == 1
-    s0 = slot_lo
-    p0 = read_len - 1
-    # dmtd::attend's rows: each reads keys 0 .. its own position of its own slot
-    if one:
-        att_slots = torch.full([1], s0, dtype=torch.long)
-        att_lens = torch.full([1], read_len, dtype=torch.long)
-    elif shared:
-        att_slots = torch.full([B], s0, dtype=torch.long)
-        att_lens = torch.arange(read_len - B + 1, read_len + 1, dtype=torch.long)
-    else:
-        att_slots = slots
-        att_lens = pos + 1
+    # dmtd::attend's rows: each reads keys 0 .. its own position of its own sequence
+    att_lens = torch.full([1], read_len, dtype=torch.long) if one else pos + 1
+    P = kc[0].shape[2]
+    w_page = table[slots, torch.div(pos, P, rounding_mode="floor")]
+    w_off = torch.remainder(pos, P)
     for i in range(len(ln1)):
         y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode)
         if qkv_bias is not None:
@@ -108,19 +97,12 @@ def _decode_layers(
         q = qk[:, :nh]
         k = qk[:, nh:].to(kc[i].dtype)
         v = v.to(kc[i].dtype)
-        if one:
-            kc[i][s0, :, p0] = k[0]
-            vc[i][s0, :, p0] = v[0]
-        elif shared:  # consecutive positions p0 - B + 1 .. p0 of one sequence (a verify or draft chunk)
-            kc[i][s0, :, p0 - B + 1: p0 + 1] = k.transpose(0, 1)
-            vc[i][s0, :, p0 - B + 1: p0 + 1] = v.transpose(0, 1)
-        else:
-            kc[i][slots, :, pos] = k
-            vc[i][slots, :, pos] = v
+        kc[i][w_page, :, w_off] = k
+        vc[i][w_page, :, w_off] = v
         if attend:  # reads the cache itself
-            a = torch.ops.dmtd.attend(q, kc[i], vc[i], att_slots, att_lens, scale).to(h.dtype)
+            a = torch.ops.dmtd.attend(q, kc[i], vc[i], table, slots, att_lens, scale).to(h.dtype)
         else:
-            a = _torch_attention(q, kc[i], vc[i], slots, s0, B, one, shared, contiguous, read_len, mask, nkv, g, hd,
+            a = _torch_attention(q, kc[i], vc[i], table, slots, B, one, shared, read_len, mask, nkv, g, hd,
                                  scale, row_loop).to(h.dtype)
         h = h + _lin(a, o[i], s_o, i, mode)
         gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)

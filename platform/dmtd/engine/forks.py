@@ -67,10 +67,6 @@ class Forks:
 
 
 def copy_prompt_kv(cache: KVCache, src: int, dst: int, length: int) -> None:
-    """Slot ``src``'s first ``length`` positions into slot ``dst``, in every buffer that holds positions."""
-    for k, v in cache.layers + (cache.verify_layers or []):
-        k[dst, :, :length] = k[src, :, :length]
-        v[dst, :, :length] = v[src, :, :length]
+    """Cache row ``src``'s first ``length`` positions into row ``dst``'s pages, in every buffer that holds positions."""
+    cache.copy_rows(src, dst, length)
     cache.pending[dst] = cache.pending[src]
-    if cache.stash is not None:
-        cache.stash[dst, :length] = cache.stash[src, :length]

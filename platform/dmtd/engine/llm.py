@@ -21,7 +21,7 @@ from dmtd.engine.draft_policy import (
     TAIL_PASS_OVERHEAD,
     PassCosts,
 )
-from dmtd.engine.forks import Forks, copy_prompt_kv
+from dmtd.engine.forks import Forks
 from dmtd.engine.logits_process import LogitsShaper
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
@@ -52,7 +52,7 @@ class LLMEngine(DraftChoice):
         self.runner = ModelRunner(model, dmtd, self.cfg, verifier)
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
                                    self.cfg.max_prefill_tokens, self.cfg.align_phases, self.cfg.prefill_chunk,
-                                   self.cfg.prefix_caching)
+                                   self.cfg.prefix_caching, self.runner.cache.pages)
         self.default_cycle_len = default_cycle_len or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -170,16 +170,14 @@ class LLMEngine(DraftChoice):
     def step(self) -> list[StepOutput]:
         t_step = time.perf_counter()
         out = self.scheduler.schedule()
+        for s in self.scheduler.take_preempted():  # their drafts went with their pages
+            self._draft_q.pop(s.req_id, None)
         if not out.seqs:
             return []
         if out.is_prefill:
-            for src, dst, n in out.copies:
-                copy_prompt_kv(self.runner.cache, src, dst, n)
             done, rows = [], []
             for s in out.prefill:  # one by one: a prompt's chunks are published before the next one's run
-                copy = self.scheduler.reuse(s)
-                if copy is not None:
-                    copy_prompt_kv(self.runner.cache, *copy)
+                self.scheduler.reuse(s)
                 rows.append(self._timed("prefill", self.runner.prefill, [s])[0])
                 done += self.scheduler.prefilled([s])
             if not done:

@@ -18,6 +18,7 @@ from torch import nn
 
 from dmtd.engine.config import ConfigError, DMTDConfig, ModelConfig
 from dmtd.engine.decode_kernel import decode_layers
+from dmtd.engine.kv_cache import gather_pages
 from dmtd.engine.rope import apply_rope, rope_tables
 
 
@@ -67,23 +68,22 @@ class Proj(nn.Module):
 
 @dataclass(slots=True)
 class StepContext:
-    """Where one incremental step reads and writes the KV cache.
+    """Where one incremental step reads and writes the paged KV cache.
 
     Rows are sequences, columns are the new positions of each row (right-aligned; padding is masked
-    out and never written). ``slot_range`` is set when the rows are cache slots ``a..a+B-1`` in order,
-    so attention reads a view instead of gathering.
+    out and never written). A sequence's position ``t`` sits at offset ``t % page_size`` of page
+    ``table[its cache row, t // page_size]`` (:mod:`dmtd.engine.kv_cache`).
     """
 
     cos: torch.Tensor  # [B, 1, S, Dh]
     sin: torch.Tensor
     attn_mask: torch.Tensor | None  # [B, 1, S, Lk] bool, True = attend; None = every key up to Lk
     read_len: int  # Lk
-    slots: torch.Tensor  # [B] int64
-    slot_range: tuple[int, int] | None
-    write_slots: torch.Tensor  # [N] slot of each valid new position
+    slots: torch.Tensor  # [B] int64: each row's cache row (its page-table row)
+    table: torch.Tensor  # [cache rows, pages] int64
+    write_slots: torch.Tensor  # [N] cache row of each valid new position
     write_pos: torch.Tensor  # [N] its position
     write_rows: torch.Tensor | None  # [N] flat index into B*S of each valid new position (None: all)
-    write_one: tuple[int, int] | None = None  # (slot, pos) when the step writes a single position
 
 
 class LayerWeights(NamedTuple):
@@ -157,22 +157,16 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
         return project(out.transpose(1, 2).reshape(B, S, -1), w.o)
     k_cache, v_cache = cache
-    if ctx.write_one is not None:
-        slot, pos = ctx.write_one
-        k_cache[slot, :, pos] = k[0, :, 0]
-        v_cache[slot, :, pos] = v[0, 0]
-    else:
-        new_k = k.transpose(1, 2).reshape(B * S, nkv, hd).to(k_cache.dtype)
-        new_v = v.reshape(B * S, nkv, hd).to(v_cache.dtype)
-        if ctx.write_rows is not None:
-            new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
-        k_cache[ctx.write_slots, :, ctx.write_pos] = new_k
-        v_cache[ctx.write_slots, :, ctx.write_pos] = new_v
-    if ctx.slot_range is not None:
-        a, b = ctx.slot_range
-        keys, values = k_cache[a:b, :, : ctx.read_len], v_cache[a:b, :, : ctx.read_len]
-    else:
-        keys, values = k_cache[ctx.slots, :, : ctx.read_len], v_cache[ctx.slots, :, : ctx.read_len]
+    new_k = k.transpose(1, 2).reshape(B * S, nkv, hd).to(k_cache.dtype)
+    new_v = v.reshape(B * S, nkv, hd).to(v_cache.dtype)
+    if ctx.write_rows is not None:
+        new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
+    P = k_cache.shape[2]
+    page, off = ctx.table[ctx.write_slots, ctx.write_pos // P], ctx.write_pos % P
+    k_cache[page, :, off] = new_k
+    v_cache[page, :, off] = new_v
+    keys = gather_pages(k_cache, ctx.table, ctx.slots, ctx.read_len)
+    values = gather_pages(v_cache, ctx.table, ctx.slots, ctx.read_len)
     if S == 1:
         # Decode: group the query heads by their KV head and use two batched matmuls; far less
         # fixed overhead than SDPA for a single query row.
@@ -277,7 +271,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos, self.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         pos = ctx.write_pos
-        out = torch.ops.dmtd.rows_layers(x, *cols, cos[pos], sin[pos], ctx.write_slots, pos, cfg.num_heads,
+        out = torch.ops.dmtd.rows_layers(x, *cols, ctx.table, cos[pos], sin[pos], ctx.write_slots, pos, cfg.num_heads,
                                          cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
         if ctx.write_rows is None:
             return out.view(B, S, H)
@@ -292,7 +286,6 @@ class Transformer(nn.Module):
         if start == end:
             return h
         cfg, ws = self.config, weights[start:end]
-        lo, contiguous = (ctx.slot_range[0], True) if ctx.slot_range is not None else (0, False)
         shared = h.shape[0] == 1 and h.shape[1] > 1  # a chunk of one sequence: its positions become the rows
         rows = h.shape[1] if shared else h.shape[0]
         if shared and not (int(ctx.write_pos[0]) == ctx.read_len - rows and int(ctx.write_pos[-1]) == ctx.read_len - 1):
@@ -313,8 +306,8 @@ class Transformer(nn.Module):
             None if ws[0].k_norm is None else [w.k_norm for w in ws],
             proj[1], [w.ln2 for w in ws], proj[2], proj[3],
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
-            cos, sin, ctx.slots, ctx.write_pos, lo if not shared else int(ctx.slots[0]), contiguous, ctx.read_len,
-            mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
+            cos, sin, ctx.write_slots, ctx.write_pos, ctx.table, ctx.read_len, mask, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
             self.row_loop, self.attend_kernel and caches[start][0].dtype == torch.float32,
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)

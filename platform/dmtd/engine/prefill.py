@@ -13,6 +13,7 @@ from dmtd.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from dmtd.engine.config import DMTDConfig, EngineConfig
+    from dmtd.engine.kv_cache import KVCache
     from dmtd.engine.model import LayerWeights
     from dmtd.engine.verifier import Verifier
 
@@ -32,6 +33,7 @@ class Prefill:
     act_dtype: torch.dtype
     weights: list[LayerWeights]
     kv: list[tuple[torch.Tensor, torch.Tensor]]
+    cache: KVCache
     verifier: Verifier
     verify_weights: list[LayerWeights]
     verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
@@ -61,25 +63,47 @@ class Prefill:
             last.update(self._prefill_rows(seqs, rows))
         for i, s in enumerate(seqs):
             start = max(s.num_prefilled, rows.get(i, (0, s.num_prefilled))[1])
-            while start < s.prefill_end:
-                end = min((start // C + 1) * C, s.prefill_end)
+            stop = min(s.prefill_end, s.prompt_len)
+            while start < stop:
+                end = min((start // C + 1) * C, stop)
                 last[i] = self._prefill_chunk(s, start, end)[:, -1]
                 start = end
+            if start < s.prefill_end:
+                self._prefill_generated(s, start, s.prefill_end)
         done = [self.logits(last[i]) for i, s in enumerate(seqs) if s.prefill_end == s.num_tokens]
         if not done:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return torch.cat(done)
+
+    def _prefill_generated(self, s: Sequence, start: int, end: int) -> None:
+        """Positions ``start .. end - 1`` of a preempted sequence's own tokens, each computed as the decode step that
+        first fed it computed it: as rows where the rows op runs (a row's bits do not depend on the pass), else one
+        position a pass; tails routed as tails (:attr:`Sequence.tail_positions`)."""
+        if self._rows_ok([s]):
+            self._prefill_rows([s], {0: (start, end)})
+            return
+        for p in range(start, end):
+            self._prefill_chunk(s, p, p + 1)
+
+    def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor:
+        """Which of ``s``'s positions ``pos`` route the deep state into the decoding group: prompt positions by the
+        phase convention, its own tokens' positions (a resume after a preemption) as they were fed."""
+        if self.dmtd.phase_anchor == "absolute":
+            head = pos % s.cycle_len == 0
+        else:
+            head = torch.ones_like(pos, dtype=torch.bool)
+        if s.tail_positions and int(pos.max()) >= s.prompt_len:
+            tails = torch.tensor(sorted(s.tail_positions), device=pos.device)
+            gen = pos >= s.prompt_len
+            head = torch.where(gen, ~torch.isin(pos, tails), head)
+        return head
 
     def _row_chunks(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
         """Each sequence's positions this step that run as rows of one ``dmtd::rows_layers`` call with the others'
         (index → start, end): those below ``ROW_PREFILL_END`` where layer groups run in one call (packed weights,
         the kernels built). Which positions do is a function of the positions alone, never of what shares the
         step: a row is computed alone, so a prompt's bits do not depend on the prompts batched with it."""
-        if not self.model.fused_layers:
-            return {}
-        if any(s.params.exact for s in seqs):
-            self.enable_exact()
-        if not self._rows_prefill_ok():
+        if not self._rows_ok(seqs):
             return {}
         out = {}
         for i, s in enumerate(seqs):
@@ -87,6 +111,15 @@ class Prefill:
             if s.num_prefilled < end:
                 out[i] = (s.num_prefilled, end)
         return out
+
+    def _rows_ok(self, seqs: list[Sequence]) -> bool:
+        """Whether these sequences' positions can run as rows of ``dmtd::rows_layers`` (packed weights, the kernels
+        built, float32 KV)."""
+        if not self.model.fused_layers:
+            return False
+        if any(s.params.exact for s in seqs):
+            self.enable_exact()
+        return self._rows_prefill_ok()
 
     def _rows_prefill_ok(self) -> bool:
         m, d = self.model, self.dmtd
@@ -101,29 +134,26 @@ class Prefill:
         """The prompt positions ``rows`` of several sequences as the rows of one pass per layer group; the output
         [1, H] of each sequence's last row."""
         m, d, dev = self.model, self.dmtd, self.device
+        self.cache.sync()
         order = sorted(rows)
         ids = [t for i in order for t in seqs[i].token_ids[rows[i][0]: rows[i][1]]]
         pos = torch.tensor([p for i in order for p in range(*rows[i])], device=dev)
         slots = torch.tensor([seqs[i].slot for i in order for _ in range(*rows[i])], device=dev)
         owner = torch.tensor([k for k, i in enumerate(order) for _ in range(*rows[i])], device=dev)
         none = torch.empty(0, device=dev)
-        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], None, slots, pos,
-                          None)  # rows_layers reads only the rows' slots and positions
+        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], self.cache.table, slots, pos,
+                          None)  # rows_layers reads only the rows' cache rows and positions
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
         h_enc = m.run_rows(x, 0, d.thinking_start, self.kv, ctx, self.weights)
         h_think = m.run_rows(h_enc, d.thinking_start, d.decoding_start, self.kv, ctx, self.weights)
-        if d.phase_anchor == "absolute":
-            taus = torch.tensor([seqs[i].cycle_len for i in order], device=dev)[owner]
-            head = (pos % taus == 0)[None]
-        else:
-            head = torch.ones_like(pos, dtype=torch.bool)[None]
+        head = torch.cat([self._heads(seqs[i], torch.arange(*rows[i], device=dev)) for i in order])[None]
         h = m.run_rows(route_decoding_input(h_enc, h_think, head, d.head_input), d.decoding_start, d.num_layers,
                        self.kv, ctx, self.weights)
         exact = [k for k, i in enumerate(order) if seqs[i].params.exact]
         if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
             assert self.verify_kv is not None
             keep = torch.isin(owner, torch.tensor(exact, device=dev))
-            vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, slots[:0], None, slots[keep], pos[keep], None)
+            vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, slots[:0], ctx.table, slots[keep], pos[keep], None)
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),
                                       self.verifier.head_input)
             h = h.clone()
@@ -142,7 +172,7 @@ class Prefill:
                              self.kv, ctx, self.weights)
         h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
                                self.weights)
-        head = pos % s.cycle_len == 0 if d.phase_anchor == "absolute" else torch.ones_like(pos, dtype=torch.bool)
+        head = self._heads(s, pos[0])[None]
         x = route_decoding_input(h_enc, h_think, head, d.head_input)
         # The decoding group must still write KV for every prompt position; logits only for the last.
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)

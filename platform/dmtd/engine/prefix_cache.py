@@ -1,15 +1,16 @@
-"""Prompt KV kept in cache slots after its request, found again by a hash chain over chunk-sized token runs.
+"""Prompt KV shared by reference: the pages of whole prefill chunks, found again by a hash chain over chunk-sized
+token runs.
 
 Prompts are prefilled in chunks whose boundaries sit at multiples of the chunk length from position 0
 (:meth:`dmtd.engine.runner.ModelRunner.prefill`), so a chunk's KV is a function of the tokens up to its end alone:
-a prompt that starts with the same whole chunks as one prefilled before gets their KV bit for bit, whether it
-copies them or computes them. Each whole prompt chunk a slot holds is published under
-``hash(previous chunk's key, salt, its tokens)``; the salt names what else the KV depends on inside one engine
-(whether the verifying path wrote its decoding group too, and τ where heads sit at absolute positions).
-A finished request's slot keeps its entries while it is free; a new sequence takes an empty slot first, then the
-least recently freed one (its entries are dropped). A request whose prompt's first chunks are in a free slot
-takes that slot and computes only the rest; in a slot still in use (a shared system prompt of concurrent
-requests), they are copied into its own. Torch-free.
+a prompt that starts with the same whole chunks as one prefilled before gets their KV bit for bit, whether it reads
+them or computes them. Each whole prompt chunk is published under ``hash(previous chunk's key, salt, its tokens)``
+with the pages that hold it (a chunk is a whole number of pages); the salt names what else the KV depends on inside
+one engine (whether the verifying path wrote its decoding group too, and τ where heads sit at absolute positions).
+A new sequence whose prompt starts with published chunks puts their pages at the head of its page table — shared,
+never written again (a sequence writes only positions past its prompt's cached part) — and computes the rest.
+Published chunks outlive their sequences; when the pool needs pages, the least recently used chunk that no running
+sequence holds is dropped (a chain's later chunks before its earlier ones). Torch-free.
 """
 
 from __future__ import annotations
@@ -37,60 +38,55 @@ class PrefixStats:
     lookups: int = 0
     hits: int = 0  # lookups that found at least one chunk
     prompt_tokens: int = 0  # prompt tokens of the looked-up requests
-    cached_tokens: int = 0  # of them, not computed (taken or copied)
-    copied_tokens: int = 0  # of those, copied from a slot in use
+    cached_tokens: int = 0  # of them, read from shared pages, not computed
     evicted_chunks: int = 0
 
 
 @dataclass(slots=True)
 class PrefixCache:
-    """Which slot holds which prompt chunks; the free slots that still hold some, least recently freed first."""
+    """Published chunks and their pages, least recently used first."""
 
     chunk: int
-    entries: dict[bytes, int] = field(default_factory=dict)  # chunk key → slot
-    held: dict[int, list[bytes]] = field(default_factory=dict)  # slot → its chunk keys, in order
-    free_held: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    entries: OrderedDict[bytes, tuple[int, ...]] = field(default_factory=OrderedDict)  # chunk key → its pages
     stats: PrefixStats = field(default_factory=PrefixStats)
 
-    def lookup(self, keys: list[bytes]) -> tuple[int, int]:
-        """The slot holding the most of these leading chunks and how many (-1, 0: none)."""
-        for i in range(len(keys) - 1, -1, -1):
-            slot = self.entries.get(keys[i])
-            if slot is not None:
-                return slot, i + 1
-        return -1, 0
+    def lookup(self, keys: list[bytes]) -> tuple[int, list[int]]:
+        """How many leading chunks of ``keys`` are published, and their pages in order; they become the most
+        recently used, the first chunk most of all (a chain is dropped from its end)."""
+        pages: list[int] = []
+        n = 0
+        for k in keys:
+            got = self.entries.get(k)
+            if got is None:
+                break
+            pages.extend(got)
+            n += 1
+        for k in reversed(keys[:n]):
+            self.entries.move_to_end(k)
+        return n, pages
 
-    def publish(self, slot: int, keys: list[bytes]) -> None:
-        """``slot`` now holds the chunks ``keys`` (its whole prompt chunks so far, in order)."""
-        have = self.held.setdefault(slot, [])
-        for k in keys[len(have):]:
-            have.append(k)
-            self.entries[k] = slot  # the newest holder: it stays longest
+    def publish(self, keys: list[bytes], pages: list[int]) -> list[int]:
+        """Chunks ``keys`` (a prompt's first whole chunks, in order) are held by ``pages`` (the first pages of the
+        sequence's table, as many for each chunk); returns the pages newly published. A chunk published already
+        keeps the pages it has."""
+        per = len(pages) // len(keys) if keys else 0
+        new: list[int] = []
+        for i, k in enumerate(keys):
+            if k not in self.entries:
+                got = tuple(pages[i * per: (i + 1) * per])
+                self.entries[k] = got
+                new.extend(got)
+        return new
 
-    def truncate(self, slot: int, num_chunks: int) -> None:
-        """``slot`` keeps only its first ``num_chunks`` chunks (the rest are about to be overwritten)."""
-        have = self.held.get(slot, [])
-        for k in have[num_chunks:]:
-            if self.entries.get(k) == slot:
+    def evict(self, held: list[int]) -> list[int]:
+        """Drop the least recently used chunk none of whose pages a sequence holds (``held``: rows holding each
+        page); returns its pages (none: nothing can go)."""
+        for k, pages in self.entries.items():
+            if all(held[p] == 0 for p in pages):
                 del self.entries[k]
-            self.stats.evicted_chunks += 1
-        del have[num_chunks:]
-        if not have:
-            self.held.pop(slot, None)
-
-    def released(self, slot: int) -> bool:
-        """A slot's request ended: the slot is free and keeps its chunks (True) or holds none (False)."""
-        if self.held.get(slot):
-            self.free_held[slot] = None
-            return True
-        return False
-
-    def taken(self, slot: int) -> None:
-        """A free slot is in use again (whatever it keeps was truncated first)."""
-        self.free_held.pop(slot, None)
-
-    def oldest_free(self) -> int | None:
-        return next(iter(self.free_held), None)
+                self.stats.evicted_chunks += 1
+                return list(pages)
+        return []
 
     @property
     def num_cached_chunks(self) -> int:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
-from dmtd.engine.kv_cache import KVCache
+from dmtd.engine.kv_cache import KVCache, bytes_per_position
+from dmtd.engine.kv_pages import KVPages, pages_for
 from dmtd.engine.model import LayerWeights, StepContext, Transformer, project, route_decoding_input
 from dmtd.engine.prefill import Prefill
 from dmtd.engine.sequence import Sequence
@@ -19,11 +21,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 MAX_CONTEXT_IDS = 1024  # context ids a draft pass adds to the draft vocabulary at most
-
-
-def _slot_range(slots: list[int]) -> tuple[int, int] | None:
-    a = slots[0]
-    return (a, a + len(slots)) if slots == list(range(a, a + len(slots))) else None
 
 
 class ModelRunner(Prefill):
@@ -65,8 +62,8 @@ class ModelRunner(Prefill):
         # into different groups (a variant's verifier, the base model) gave a position different bits
         packed = self.weights is not self.model.layer_weights()
         self.act_dtype = torch.float32 if packed and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
-        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self.kv_dtype, self.device,
-                             self.act_dtype)
+        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self._page_pool(model),
+                             self.kv_dtype, self.device, self.act_dtype)
         self.kv = self.cache.layers
         vl = self.verifier.layers
         self.verify_weights = self.weights if vl is None else (
@@ -85,6 +82,25 @@ class ModelRunner(Prefill):
         self.draft_weights = self.weights
         # dmtd::draft_layers' per-layer arguments gathered by column, per layer group (start, end): one sequence
         self._fused: dict[tuple[int, int], tuple[int, list[list[torch.Tensor]]]] | None = None
+
+    def _page_pool(self, model: Transformer) -> KVPages:
+        """The KV pool's pages: ``kv_cache_gib`` of memory, else ``kv_cache_tokens`` positions, else room for every
+        sequence at ``max_model_len``. With prefix caching a prefill chunk is whole pages: the page size is then the
+        largest divisor of ``prefill_chunk`` not above ``page_size``."""
+        cfg, P = self.cfg, self.cfg.page_size
+        if cfg.prefix_caching:
+            P = math.gcd(P, cfg.prefill_chunk)
+        if cfg.kv_cache_gib is not None:
+            per = bytes_per_position(model.config, self.dmtd, self.kv_dtype, self.act_dtype)
+            num_pages = int(cfg.kv_cache_gib * 2**30) // (per * P)
+            if num_pages < 1:
+                raise ConfigError(f"kv_cache_gib {cfg.kv_cache_gib} holds no page of {P} positions "
+                                  f"({per * P} bytes)")
+        elif cfg.kv_cache_tokens is not None:
+            num_pages = cfg.kv_cache_tokens // P
+        else:
+            num_pages = cfg.max_num_seqs * pages_for(cfg.max_model_len, P)
+        return KVPages(num_pages, P, cfg.max_num_seqs)
 
     def _pack_layers(self, layers: list[LayerWeights], fmt: str | None) -> list[LayerWeights]:
         if fmt is None:
@@ -168,6 +184,7 @@ class ModelRunner(Prefill):
 
     def _context(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext:
         """Context for rows at ``positions`` [B, S] (valid [B, S] marks real, non-padding entries)."""
+        self.cache.sync()
         B, S = positions.shape
         dev = self.device
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -183,11 +200,9 @@ class ModelRunner(Prefill):
             rows = valid.reshape(-1).nonzero().squeeze(1)
             write_slots = slot_t.repeat_interleave(S)[rows]
             write_pos = positions.reshape(-1)[rows]
-        one = (slots[0], int(positions[0, 0])) if B == 1 and S == 1 else None
         if cos.dtype != self.act_dtype:
             cos, sin = cos.to(self.act_dtype), sin.to(self.act_dtype)
-        return StepContext(cos, sin, mask, read_len, slot_t, _slot_range(slots), write_slots, write_pos, rows,
-                           one)
+        return StepContext(cos, sin, mask, read_len, slot_t, self.cache.table, write_slots, write_pos, rows)
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -206,7 +221,7 @@ class ModelRunner(Prefill):
             s, q = seqs[0], last[0]
             x = self._draft_stack(m.embed_tokens(ids[0]).to(self.act_dtype), 0, d.thinking_start, s.slot, q)
             if counts[0] > 1:
-                x = torch.cat((self.cache.stash[s.slot, s.num_tail_cached: q], x))
+                x = torch.cat((self.cache.stash_read(s.slot, s.num_tail_cached, q), x))
             h = self._draft_stack(x, d.decoding_start, d.num_layers, s.slot, q)
             return self._draft_logits(m.norm.forward(h[-1:]), seqs)
         ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
@@ -220,7 +235,7 @@ class ModelRunner(Prefill):
             x[:, -1] = tail[:, 0]
             for i, s in enumerate(seqs):
                 if counts[i] > 1:
-                    x[i, R - counts[i]: R - 1] = self.cache.stash[s.slot, s.num_tail_cached: last[i]]
+                    x[i, R - counts[i]: R - 1] = self.cache.stash_read(s.slot, s.num_tail_cached, last[i])
             ctx = self._context(slots, pos, valid)
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.draft_weights)
         return self._draft_logits(m.norm.forward(h[:, -1]), seqs)
@@ -259,13 +274,14 @@ class ModelRunner(Prefill):
         if start == end:
             return h
         assert self._fused is not None
+        self.cache.sync()
         cfg, R = self.model.config, h.shape[0]
         pos = torch.arange(last - R + 1, last + 1, device=self.device)
         mode, cols = self._fused[(start, end)]
         cos, sin = self.model.rope_cos, self.model.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         return torch.ops.dmtd.draft_layers(
-            h, *cols, cos[pos], sin[pos], slot, last + 1, cfg.num_heads,
+            h, *cols, self.cache.table, cos[pos], sin[pos], slot, last + 1, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
 
     @torch.inference_mode()
@@ -294,7 +310,7 @@ class ModelRunner(Prefill):
         h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
                          self.verify_weights)
         xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
-        self.cache.stash[ctx.write_slots, ctx.write_pos] = xt if ctx.write_rows is None else xt[ctx.write_rows]
+        self.cache.stash_write(ctx.write_slots, ctx.write_pos, xt if ctx.write_rows is None else xt[ctx.write_rows])
         return self.logits(h)
 
     @torch.inference_mode()

@@ -1,5 +1,5 @@
-"""Continuous-batching scheduler (torch-free): admission, cache slots, chunked prefill, prefix reuse, DMTD phases,
-blocks, retirement."""
+"""Continuous-batching scheduler (torch-free): admission, cache rows and their KV pages, chunked prefill, prefix reuse,
+preemption, DMTD phases, blocks, retirement."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from dmtd.engine.config import DMTDConfig
+from dmtd.engine.config import ConfigError, DMTDConfig
 from dmtd.engine.draft_policy import count_cycle
+from dmtd.engine.kv_pages import KVPages, pages_for
 from dmtd.engine.prefix_cache import PrefixCache, chain
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
@@ -20,11 +21,10 @@ class CapacityError(RequestError):
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one step runs: either prompt chunks (each sequence's ``num_prefilled`` .. ``prefill_end``) or a decode
-    batch (heads and tails mixed). ``copies``: prompt KV to copy first (source slot, target slot, positions)."""
+    batch (heads and tails mixed)."""
 
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
-    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -51,19 +51,31 @@ class TokenEvent:
 
 
 class Scheduler:
-    """Admits and retires sequences at any step; one KV-cache slot per sequence from its admission.
+    """Admits and retires sequences at any step; one KV-cache slot (a row of the page table) per sequence from its
+    admission, and the KV pages of the positions it writes (:mod:`dmtd.engine.kv_pages`).
+
+    A sequence is admitted when its prompt's pages are free (or held by free slots' cached prompts, which are dropped
+    oldest first), with a page of growth left for each running sequence. Before a decode step every running
+    sequence gets the pages of the positions the step may write; where the pool runs dry the newest sequence is
+    preempted — its pages freed, itself queued first, to be prefilled again over its prompt and its tokens so far
+    (what it computes then is what it computed before: the same positions' KV, bit for bit).
 
     A prompt is prefilled in chunks of ``prefill_chunk`` positions, their boundaries at multiples of it from
     position 0; while other sequences decode, a step prefills at most one chunk's worth and the next step is
     theirs, so a long prompt does not stall running streams for its whole prefill. With a prefix cache, an admitted
-    prompt's leading whole chunks found in a slot are taken or copied instead of computed
+    prompt's leading whole chunks published before are read from their pages, shared, instead of computed
     (:mod:`dmtd.engine.prefix_cache`).
     """
 
     def __init__(self, dmtd: DMTDConfig, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int, align_phases: bool = False, prefill_chunk: int = 128,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, pages: KVPages | None = None) -> None:
         self.dmtd = dmtd
+        self.pages = pages or KVPages(max_num_seqs * pages_for(max_model_len, 16), 16, max_num_seqs)
+        # positions past num_tokens that one decode step may write: a check of τ − 1 drafts, or the draft before it
+        self.lookahead = max(dmtd.tau_max, 1)
+        self.num_preempted = 0
+        self._preempted: list[Sequence] = []  # since the engine last took them (take_preempted)
         # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
         # batched tail step reads only the decoding layers' weights. A row's first cycle after its
         # prompt, and the cycle after a confidence cut's head, are shortened to meet the shared clock.
@@ -74,16 +86,21 @@ class Scheduler:
         self.max_prefill_tokens = max(max_prefill_tokens, prefill_chunk)
         self.prefill_chunk = prefill_chunk
         self.prefix = PrefixCache(prefill_chunk) if prefix_caching else None
+        if self.prefix is not None:
+            if prefill_chunk % self.pages.page_size:
+                raise ConfigError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size "
+                                  f"({self.pages.page_size}) with prefix caching: a cached chunk is whole pages")
+            self.pages.evictor = self._evict_chunk
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, their prompts partly prefilled
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_num_seqs))  # free and holding no prompt chunks
+        self._free_slots = list(range(max_num_seqs))
         heapq.heapify(self._free_slots)
         self._last_prefill = False
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots) + (len(self.prefix.free_held) if self.prefix else 0)
+        return len(self._free_slots)
 
     @property
     def num_unfinished(self) -> int:
@@ -100,6 +117,14 @@ class Scheduler:
         if not 1 <= seq.cycle_len <= self.dmtd.tau_max:
             raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max} (the variant's tau_max), "
                                f"got {seq.cycle_len}")
+        P, total = self.pages.page_size, self.pages.num_pages
+        if pages_for(min(seq.num_tokens + self.lookahead, self.max_model_len), P) > total:
+            raise CapacityError("prompt", f"{seq.num_tokens} tokens need more than the KV pool's {total} pages of {P} "
+                                "positions")
+        longest = min(seq.num_tokens + seq.params.max_new_tokens + self.lookahead, self.max_model_len)
+        if pages_for(longest, P) > total:
+            raise CapacityError("max_new_tokens", f"{seq.num_tokens} prompt tokens and {seq.params.max_new_tokens} "
+                                f"new ones need more than the KV pool's {total} pages of {P} positions")
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -116,13 +141,15 @@ class Scheduler:
             while budget > 0:
                 if queue:
                     seq = queue.pop(0)
-                elif self.waiting and self.num_free_slots:
+                elif self.waiting and self.num_free_slots and self._fits(self.waiting[0]):
                     seq = self.waiting.popleft()
-                    self._admit(seq, out)
+                    if not self._admit(seq, out):
+                        break
                 else:
                     break
-                left = seq.num_tokens - seq.num_prefilled
-                end = seq.num_tokens if left <= budget else seq.num_prefilled + budget // C * C
+                target = seq.resume_len or seq.num_tokens
+                left = target - seq.num_prefilled
+                end = target if left <= budget else seq.num_prefilled + budget // C * C
                 if end == seq.num_prefilled:
                     break
                 seq.prefill_end = end
@@ -130,66 +157,100 @@ class Scheduler:
                 out.prefill.append(seq)
         self._last_prefill = bool(out.prefill)
         if not out.prefill:
+            self._reserve_decode()
             out.decode = list(self.running)
         return out
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """A slot for ``seq``: the free one that holds its prompt's leading chunks, else an empty one (or the
-        least recently freed), into which chunks found in a slot in use are copied."""
-        src, n = -1, 0
+    def _evict_chunk(self, held: list[int]) -> list[int]:
+        assert self.prefix is not None
+        return self.prefix.evict(held)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence's prompt gets its pages now, a page of growth left for each admitted one."""
+        need = pages_for(min(seq.num_tokens + self.lookahead, self.max_model_len), self.pages.page_size)
+        reserve = len(self.running) + len(self.prefilling)
+        return need + reserve <= self.pages.num_free + self.pages.num_evictable
+
+    def _grow(self, slot: int, positions: int) -> bool:
+        """Pages for ``slot``'s positions ``0 .. positions - 1`` (cached chunks no sequence holds are dropped while
+        too few are free); False if even that is not enough."""
+        return self.pages.grow(slot, min(positions, self.max_model_len))
+
+    def _reserve_decode(self) -> None:
+        """Every running sequence's pages for what this step may write, oldest first; the newest are preempted
+        while the pool cannot give them."""
+        for seq in sorted(self.running, key=lambda s: s.seq_no):
+            while seq.status is SequenceStatus.RUNNING and not self._grow(seq.slot, seq.num_tokens + self.lookahead):
+                self.preempt(max(self.running + self.prefilling, key=lambda s: s.seq_no))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot and pages and queue it first: it is prefilled again over its prompt and the tokens it
+        has so far, and goes on from there (its emitted tokens stay emitted)."""
+        (self.prefilling if seq in self.prefilling else self.running).remove(seq)
+        self.pages.shrink(seq.slot, 0)
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot, seq.status = -1, SequenceStatus.WAITING
+        seq.num_prefilled = seq.prefill_end = 0
+        seq.resume_len = seq.num_tokens - 1
+        seq.drafts, seq.draft_done, seq.context_ngram, seq.num_extended = [], False, 0, 0
+        seq.num_preempted += 1
+        self.num_preempted += 1
+        self.waiting.appendleft(seq)
+        self._preempted.append(seq)
+
+    def take_preempted(self) -> list[Sequence]:
+        """The sequences preempted since the last call (the engine drops their drafts' bookkeeping)."""
+        out, self._preempted = self._preempted, []
+        return out
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A cache row for ``seq``, the pages of its prompt's leading chunks published before (shared), and its own
+        pages for the rest; False (back to the queue's head) if the pool cannot give them."""
+        slot = heapq.heappop(self._free_slots)
+        n = 0
         if self.prefix is not None:
             salt = f"{int(seq.params.exact)}:{seq.cycle_len if self.dmtd.phase_anchor == 'absolute' else 0}"
-            seq.prefix_keys = chain(seq.token_ids, self.prefill_chunk, salt)
+            # only prompt chunks are published or reused: a generated position's KV came from a decode step
+            seq.prefix_keys = chain(seq.token_ids[: seq.prompt_len], self.prefill_chunk, salt)
             # at least the last prompt token is computed: its logits draw the first token
-            src, n = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
-            st = self.prefix.stats
-            st.lookups += 1
-            st.hits += n > 0
-            st.prompt_tokens += seq.num_tokens
-            st.cached_tokens += n * self.prefill_chunk
-        if src >= 0 and self.prefix is not None and src in self.prefix.free_held:
-            slot = src
-            self.prefix.taken(slot)
-            self.prefix.truncate(slot, n)
-        else:
-            slot = self._take_slot()
-            if src >= 0 and self.prefix is not None:
-                out.copies.append((src, slot, n * self.prefill_chunk))
-                self.prefix.stats.copied_tokens += n * self.prefill_chunk
+            n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
+            self.pages.share(slot, shared)
+            if not seq.num_preempted:  # a preempted sequence's return is no new request
+                st = self.prefix.stats
+                st.lookups += 1
+                st.hits += n > 0
+                st.prompt_tokens += seq.num_tokens
+                st.cached_tokens += n * self.prefill_chunk
+        if not self._grow(slot, seq.num_tokens + self.lookahead):  # the pool is short after all: wait
+            self.pages.shrink(slot, 0)
+            heapq.heappush(self._free_slots, slot)
+            self.waiting.appendleft(seq)
+            return False
         seq.slot = slot
         seq.num_prefilled = seq.num_cached_tokens = n * self.prefill_chunk
         seq.status = SequenceStatus.RUNNING
         self.prefilling.append(seq)
+        return True
 
-    def reuse(self, seq: Sequence) -> tuple[int, int, int] | None:
-        """Right before ``seq``'s chunks run: whole chunks past its prefilled ones that another slot published since
-        its admission (a prompt admitted beside one with the same prefix), as a copy (source, target, positions)
-        to make first; its chunks this step start after them. None: nothing new."""
+    def reuse(self, seq: Sequence) -> None:
+        """Right before ``seq``'s chunks run: whole chunks past its prefilled ones that another sequence published
+        since its admission (a prompt admitted beside one with the same prefix) replace its own pages for them;
+        its chunks this step start after them."""
         if self.prefix is None or seq.num_prefilled != seq.num_cached_tokens:
-            return None  # only before its first computed chunk: after it, its own chunks are as good
-        src, n = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
+            return  # only before its first computed chunk: after it, its own chunks are as good
+        n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
         cached = n * self.prefill_chunk
-        if src < 0 or src == seq.slot or cached <= seq.num_prefilled:
-            return None
+        if cached <= seq.num_prefilled:
+            return
         st = self.prefix.stats
         st.hits += seq.num_cached_tokens == 0
         st.cached_tokens += cached - seq.num_cached_tokens
-        st.copied_tokens += cached
+        self.pages.shrink(seq.slot, 0)  # its own pages (nothing computed in them yet) go back, the shared come in
+        self.pages.share(seq.slot, shared)
+        grown = self._grow(seq.slot, seq.num_tokens + self.lookahead)
+        assert grown, "the pages it let go cover what it needs"
         seq.num_prefilled = seq.num_cached_tokens = cached
         seq.prefill_end = max(seq.prefill_end, cached)
-        self.prefix.truncate(seq.slot, 0)
-        return src, seq.slot, cached
-
-    def _take_slot(self) -> int:
-        """An empty free slot, else the least recently freed one that holds chunks (they are dropped)."""
-        if self._free_slots:
-            return heapq.heappop(self._free_slots)
-        assert self.prefix is not None
-        slot = self.prefix.oldest_free()
-        assert slot is not None, "no free slot"
-        self.prefix.taken(slot)
-        self.prefix.truncate(slot, 0)
-        return slot
 
     def prefilled(self, seqs: list[Sequence]) -> list[Sequence]:
         """After a prefill step: the chunks are in the cache (published where whole); the sequences whose prompt
@@ -198,8 +259,17 @@ class Scheduler:
         for seq in seqs:
             seq.num_prefilled = seq.prefill_end
             if self.prefix is not None:
-                self.prefix.publish(seq.slot, seq.prefix_keys[: seq.num_prefilled // self.prefill_chunk])
-            if seq.num_prefilled == seq.num_tokens:
+                keys = seq.prefix_keys[: seq.num_prefilled // self.prefill_chunk]
+                per = self.prefill_chunk // self.pages.page_size
+                self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.slot][: len(keys) * per]))
+            if seq.resume_len and seq.num_prefilled == seq.resume_len:  # back where it was preempted: decode on
+                seq.num_think_cached = seq.num_tail_cached = seq.resume_len
+                seq.resume_len = 0
+                seq.draft_done = seq.params.exact and seq.max_drafts(self.max_model_len) == 0
+                self.prefilling.remove(seq)
+                self.running.append(seq)
+                self.running.sort(key=lambda s: s.slot)
+            elif seq.num_prefilled == seq.num_tokens:
                 self.prefilling.remove(seq)
                 self.running.append(seq)
                 done.append(seq)
@@ -211,7 +281,12 @@ class Scheduler:
         """Run a sequence whose prompt KV another slot's prefill made (dmtd.engine.forks): a slot now, or False."""
         if not self.num_free_slots:
             return False
-        seq.slot = self._take_slot()
+        seq.slot = heapq.heappop(self._free_slots)
+        if not self._grow(seq.slot, seq.num_tokens + self.lookahead):
+            self.pages.shrink(seq.slot, 0)
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = -1
+            return False
         seq.num_prefilled = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -252,6 +327,8 @@ class Scheduler:
                 if is_head:
                     seq.num_think_cached = pos + 1
                     seq.next_head_pos = self.dmtd.next_head(pos, seq.cycle_len)
+            if not (out.is_prefill or seq.params.exact):  # what a resume after a preemption replays
+                (seq.tail_positions.discard if is_head else seq.tail_positions.add)(pos)
             if is_head and self.align_phases and len(self.running) > 1:  # alone, a row keeps full cycles
                 seq.next_head_pos = pos + self._steps_to_aligned_head(step, seq.cycle_len)
             seq.num_heads += is_head
@@ -359,8 +436,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             (self.prefilling if seq in self.prefilling else self.running).remove(seq)
-            if self.prefix is None or not self.prefix.released(seq.slot):
-                heapq.heappush(self._free_slots, seq.slot)
+            self.pages.shrink(seq.slot, 0)  # its published chunks stay cached
+            heapq.heappush(self._free_slots, seq.slot)
         else:
             self.waiting.remove(seq)
         seq.slot = -1

@@ -120,6 +120,12 @@ class Sequence:
     prefill_end: int = 0  # the current prefill step computes positions num_prefilled .. prefill_end - 1
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache, not computed
     prefix_keys: list[bytes] = field(default_factory=list)  # the prompt's whole chunks' keys (prefix cache)
+    num_preempted: int = 0  # times its KV pages were taken back and it was queued to be prefilled again
+    # after a preemption: the positions to compute again before it decodes on (all but the last token's, which the
+    # next step feeds as it would have); 0: none (a fresh prompt is prefilled to its end)
+    resume_len: int = 0
+    # generated positions fed as tails (DMTD profile): a resume after a preemption routes them as tails again
+    tail_positions: set[int] = field(default_factory=set)
     num_drafted: int = 0
     num_accepted: int = 0
     draft_target: int | None = None  # this cycle's draft count chosen by the engine's policy (None: τ − 1)

@@ -55,8 +55,12 @@ class EngineFactory:
     variant: str = "none"
     model: str | None = None
     decoding_layers: int | None = None
-    max_num_seqs: int = 16
-    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    # the KV pool (dmtd.engine.kv_pages): positions shared by every sequence (default: 16 × 2,048, what 16 fixed
+    # slots held before pages), or GiB of memory
+    kv_cache_tokens: int | None = 32768
+    kv_cache_gib: float | None = None
     itl_slo_ms: float = 50.0
     tau_max: int | None = None
     torch_threads: int = 0
@@ -79,6 +83,8 @@ class EngineFactory:
         spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
                            search_dirs=[SHIPPED_VARIANTS])
         engine = build_engine(spec, EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                                 kv_cache_tokens=None if self.kv_cache_gib else self.kv_cache_tokens,
+                                                 kv_cache_gib=self.kv_cache_gib,
                                                  device=device, dtype=dtype, quant=quant,
                                                  adaptive_drafts=self.adaptive_drafts,
                                                  context_drafts=self.context_drafts))
@@ -335,8 +341,10 @@ def build_app(args: dict[str, Any]) -> Any:
     for i, v in enumerate(variants):
         factory = EngineFactory(variant=v.get("variant", v["name"]), model=v.get("model") or v.get("model_uri"),
                                 decoding_layers=v.get("decoding_layers"),
-                                max_num_seqs=int(args.get("max_num_seqs", 16)),
-                                max_model_len=int(args.get("max_model_len", 2048)),
+                                max_num_seqs=int(args.get("max_num_seqs") or 64),
+                                max_model_len=int(args.get("max_model_len") or 8192),
+                                kv_cache_tokens=int(args.get("kv_cache_tokens") or 32768),
+                                kv_cache_gib=args.get("kv_cache_gib"),
                                 itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
                                 torch_threads=int(args.get("torch_threads", 0)) or shared_threads,
                                 dtype=v.get("dtype", args.get("dtype")), quant=v.get("quant", args.get("quant")),
@@ -346,7 +354,7 @@ def build_app(args: dict[str, Any]) -> Any:
         from dmtd.serve.replica import DMTDReplica
 
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"
-        max_ongoing = int(args.get("max_num_seqs", 16)) + int(args.get("max_queued", 64)) + 8
+        max_ongoing = int(args.get("max_num_seqs") or 64) + int(args.get("max_queued", 64)) + 8
         replicas = int(v.get("replicas", args.get("replicas", 1)))
         replica_actor: dict[str, Any] = {"num_cpus": float(args.get("replica_num_cpus", 1))}
         if replica_env:

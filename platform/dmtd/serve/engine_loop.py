@@ -78,7 +78,8 @@ class EngineLoop:
                 "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
-                "loop_restarts": self.restarts, **self.prefix_stats()}
+                "loop_restarts": self.restarts, "preempted": self.engine.scheduler.num_preempted,
+                **self.engine.scheduler.pages.report(), **self.prefix_stats()}
 
     def prefix_stats(self) -> dict[str, Any]:
         pc = self.engine.scheduler.prefix
@@ -87,10 +88,9 @@ class EngineLoop:
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
         c, d, e = self.controller.cfg, self.controller.decision, self.engine
-        capacity = e.cfg.max_num_seqs * e.cfg.max_model_len
-        used = sum(s.num_tokens for s in list(e.scheduler.running))
+        pages = e.scheduler.pages
         return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
-                            kv_occupancy=used / capacity if capacity else 0.0,
+                            kv_occupancy=pages.num_used / pages.num_pages,
                             prefix_hit_ratio=float(self.prefix_stats().get("prefix_hit_ratio", 0.0)),
                             tau=d.tau, tau_min=c.tau_min,
                             tau_max=c.tau_max, min_confidence=d.min_confidence)

@@ -50,7 +50,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "with AVX-512 or AVX2)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
+    p.add_argument("--max-model-len", type=int, default=8192, help="a sequence's positions at most (prompt + answer)")
+    p.add_argument("--kv-cache-tokens", type=int, default=32768,
+                   help="positions of a replica's KV pool, shared by its sequences in pages of 16 (default: what 16 "
+                   "sequences of 2,048 held)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="size the KV pool by memory instead")
     p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
     p.add_argument("--drafts", choices=("adaptive", "fixed"), default=None,
                    help="how replicas draft for exact requests: 'adaptive' (default: the count that pays, none "
@@ -209,6 +214,9 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
                       "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
                       "quant": getattr(args, "quant", None)}],
         "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
+        "max_model_len": getattr(args, "max_model_len", 8192),
+        "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
+        "kv_cache_gib": getattr(args, "kv_cache_gib", None),
         "routing": getattr(args, "routing", "prefix"),
         "itl_slo_ms": args.itl_slo_ms, "registry_url": url, "metrics_port": getattr(args, "metrics_port", 9464),
         "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,

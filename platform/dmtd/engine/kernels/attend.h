@@ -1,5 +1,5 @@
-// Attention of decode rows over the float32 KV cache, one (row, query head) at a time: each row reads keys
-// 0 .. len − 1 of its own slot, with exactly the same arithmetic whatever else shares the call (how many rows,
+// Attention of decode rows over the paged float32 KV cache, one (row, query head) at a time: each row reads keys
+// 0 .. len − 1 of its own sequence, page by page through its page table, with exactly the same arithmetic whatever else shares the call (how many rows,
 // which lengths, which thread), so a verified cycle's check over a chunk of positions scores each position as a
 // step of that position alone does — bitwise. One call per layer replaces the ~10 tensor ops per row (slices,
 // two batched matmuls, a softmax, casts) that dominated a check's cost per extra position on CPU.
@@ -72,10 +72,20 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
-// Query heads hq0 .. hq0 + g − 1 (rows of q, hd floats each, consecutive) over keys/values [n, hd]
-// → out (g rows of hd). sc: scratch of n floats.
-inline void heads(const float* q, const float* kk, const float* vv, int64_t n, int64_t g, int64_t hd, float scale,
+// One KV head's keys and values in pages: key t sits at k + pages[t / P] * ps + (t % P) * hd (v likewise).
+struct Paged {
+  const float* k;
+  const float* v;
+  const int64_t* pages;
+  int64_t P, ps;
+};
+
+// Query heads hq0 .. hq0 + g − 1 (rows of q, hd floats each, consecutive) over n paged keys/values
+// → out (g rows of hd). sc: scratch of n floats. The pages are walked in order: a key's arithmetic and the order of
+// every sum are those of one contiguous run of keys.
+inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t hd, float scale,
                   float* sc, float* out) {
+  const int64_t P = kv.P;
 #if defined(__AVX512F__)
   if (hd % 16 == 0 && hd <= 256) {
     const int64_t C = hd / 16;
@@ -83,14 +93,17 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
       const float* qh = q + h * hd;
       __m512 qv[16];
       for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
-      int64_t t = 0;
-      for (; t < n; ++t) {
-        const float* kt = kk + t * hd;
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-        for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
-        sc[t] = _mm512_reduce_add_ps(a) * scale;
+      for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
+        const float* kp = kv.k + kv.pages[pg] * kv.ps;
+        for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t) {
+          const float* kt = kp + (t - t0) * hd;
+          __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+          for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
+          sc[t] = _mm512_reduce_add_ps(a) * scale;
+        }
       }
       float mx = -INFINITY;
+      int64_t t = 0;
       for (t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
       const __m512 mv = _mm512_set1_ps(mx);
       __m512 sv = _mm512_setzero_ps();
@@ -108,10 +121,13 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
       const float inv = 1.f / _mm512_reduce_add_ps(sv);
       __m512 acc[16];
       for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-      for (t = 0; t < n; ++t) {
-        const __m512 w = _mm512_set1_ps(sc[t]);
-        const float* vt = vv + t * hd;
-        for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + 16 * c), acc[c]);
+      for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
+        const float* vp = kv.v + kv.pages[pg] * kv.ps;
+        for (int64_t u = t0, e = std::min(n, t0 + P); u < e; ++u) {
+          const __m512 w = _mm512_set1_ps(sc[u]);
+          const float* vt = vp + (u - t0) * hd;
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + 16 * c), acc[c]);
+        }
       }
       const __m512 iv = _mm512_set1_ps(inv);
       for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(out + h * hd + 16 * c, _mm512_mul_ps(acc[c], iv));
@@ -125,14 +141,17 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
       const float* qh = q + h * hd;
       __m256 qv[16];
       for (int64_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qh + 8 * c);
-      int64_t t = 0;
-      for (; t < n; ++t) {
-        const float* kt = kk + t * hd;
-        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kt));
-        for (int64_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kt + 8 * c), a);
-        sc[t] = hsum256(a) * scale;
+      for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
+        const float* kp = kv.k + kv.pages[pg] * kv.ps;
+        for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t) {
+          const float* kt = kp + (t - t0) * hd;
+          __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kt));
+          for (int64_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kt + 8 * c), a);
+          sc[t] = hsum256(a) * scale;
+        }
       }
       float mx = -INFINITY;
+      int64_t t = 0;
       for (t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
       const __m256 mv = _mm256_set1_ps(mx);
       __m256 sv = _mm256_setzero_ps();
@@ -146,10 +165,13 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
       const float inv = 1.f / sum;
       __m256 acc[16];
       for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-      for (t = 0; t < n; ++t) {
-        const __m256 w = _mm256_set1_ps(sc[t]);
-        const float* vt = vv + t * hd;
-        for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+      for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
+        const float* vp = kv.v + kv.pages[pg] * kv.ps;
+        for (int64_t u = t0, e = std::min(n, t0 + P); u < e; ++u) {
+          const __m256 w = _mm256_set1_ps(sc[u]);
+          const float* vt = vp + (u - t0) * hd;
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+        }
       }
       const __m256 iv = _mm256_set1_ps(inv);
       for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(out + h * hd + 8 * c, _mm256_mul_ps(acc[c], iv));
@@ -160,33 +182,41 @@ inline void heads(const float* q, const float* kk, const float* vv, int64_t n, i
   for (int64_t h = 0; h < g; ++h) {
     const float* qh = q + h * hd;
     float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) {
-      float d = 0.f;
-      for (int64_t j = 0; j < hd; ++j) d += qh[j] * kk[t * hd + j];
-      sc[t] = d * scale;
-      mx = std::max(mx, sc[t]);
+    for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
+      const float* kp = kv.k + kv.pages[pg] * kv.ps;
+      for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t) {
+        const float* kt = kp + (t - t0) * hd;
+        float d = 0.f;
+        for (int64_t j = 0; j < hd; ++j) d += qh[j] * kt[j];
+        sc[t] = d * scale;
+        mx = std::max(mx, sc[t]);
+      }
     }
     float sum = 0.f;
     for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
     float* o = out + h * hd;
     for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < hd; ++j) o[j] += sc[t] * vv[t * hd + j];
+    for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
+      const float* vp = kv.v + kv.pages[pg] * kv.ps;
+      for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t)
+        for (int64_t j = 0; j < hd; ++j) o[j] += sc[t] * vp[(t - t0) * hd + j];
+    }
     const float inv = 1.f / sum;
     for (int64_t j = 0; j < hd; ++j) o[j] *= inv;
   }
 }
 
-// Rows b = 0 .. B − 1: q [B, nh, hd] → out [B, nh, hd]; row b reads lens[b] keys of slot slots[b] from
-// kc/vc [slots, nkv, maxlen, hd]. Work is split by (row, query head) over the threads, so that one row's nine heads
-// share two cores 5:4 (split by KV head, 3 units went 2:1, and calls under 2^18 multiply-adds stayed on one thread:
-// 30 µs a layer for one row at 170 keys, 14 µs split this way on the 2-core AVX2 EPYC); only calls of a few keys
-// stay on the calling thread. The units run head by head, each head's rows in turn, so that the rows of a check
-// (consecutive positions of one slot) read a head's keys while they are still in the core's cache, and each
-// core reads about two of the three KV heads instead of all three. A head's arithmetic is the same whichever
-// thread runs it.
-inline void rows(const float* q, const float* kc, const float* vc, const int64_t* slots, const int64_t* lens,
-                 int64_t B, int64_t nh, int64_t nkv, int64_t maxlen, int64_t hd, float scale, float* out) {
+// Rows b = 0 .. B − 1: q [B, nh, hd] → out [B, nh, hd]; row b reads keys 0 .. lens[b] − 1 of sequence slots[b],
+// whose pages are table[slots[b] · tw ..] in kc/vc [pages, nkv, P, hd]. Work is split by (row, query head) over the
+// threads, so that one row's nine heads share two cores 5:4 (split by KV head, 3 units went 2:1, and calls under
+// 2^18 multiply-adds stayed on one thread: 30 µs a layer for one row at 170 keys, 14 µs split this way on the 2-core
+// AVX2 EPYC); only calls of a few keys stay on the calling thread. The units run head by head, each head's rows in
+// turn, so that the rows of a check (consecutive positions of one sequence) read a head's keys while they are still
+// in the core's cache, and each core reads about two of the three KV heads instead of all three. A head's
+// arithmetic is the same whichever thread runs it.
+inline void rows(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t tw,
+                 const int64_t* slots, const int64_t* lens, int64_t B, int64_t nh, int64_t nkv, int64_t P, int64_t hd,
+                 float scale, float* out) {
   const int64_t g = nh / nkv, units = B * nh;
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += lens[b];
@@ -195,8 +225,9 @@ inline void rows(const float* q, const float* kc, const float* vc, const int64_t
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u % B, h = u / B, n = lens[b];  // a head's rows in turn: its keys stay in cache
       sc.resize(static_cast<size_t>(std::max<int64_t>(n, 1)));
-      const int64_t base = (slots[b] * nkv + h / g) * maxlen * hd;
-      heads(q + (b * nh + h) * hd, kc + base, vc + base, n, 1, hd, scale, sc.data(), out + (b * nh + h) * hd);
+      const int64_t head = (h / g) * P * hd;
+      const Paged kv{kc + head, vc + head, table + slots[b] * tw, P, nkv * P * hd};
+      heads(q + (b * nh + h) * hd, kv, n, 1, hd, scale, sc.data(), out + (b * nh + h) * hd);
     }
   };
   if (work * nh * hd < (1 << 13) || at::in_parallel_region()) run(0, units);

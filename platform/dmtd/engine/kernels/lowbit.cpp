@@ -439,8 +439,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
 }
 
 
-// Layers over rows that each hold one position of one sequence, in one call: row r is position pos[r] of KV slot
-// slots[r] (rows of one slot hold distinct positions; a row attends to keys 0 .. its own position, those the other
+// Layers over rows that each hold one position of one sequence, in one call: row r is position pos[r] of sequence
+// slots[r], whose KV pages are table[slots[r]] (rows of one slot hold distinct positions; a row attends to keys 0 .. its own position, those the other
 // rows write in this call included). The same computation as dmtd.engine.model.layer_forward (pre-norm attention
 // with rope and GQA over the float32 KV cache, then a SwiGLU MLP), in float32 throughout — the residual stream
 // too — with the packed projections' kernel, where the TorchScript loop spends ~45 tensor ops a layer on it (about
@@ -503,8 +503,8 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
 at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                             at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                             at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
-                            at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                            const std::vector<int64_t>& rslots, const std::vector<int64_t>& rpos, int64_t nh,
+                            at::TensorList vc, const at::Tensor& table_in, const at::Tensor& cos_in,
+                            const at::Tensor& sin_in, const std::vector<int64_t>& rslots, const std::vector<int64_t>& rpos, int64_t nh,
                             int64_t nkv, int64_t hd, double eps_d, int64_t mode,
                             const char* op) {
   const int64_t R = h_in.size(0), H = h_in.size(1), L = static_cast<int64_t>(ln1.size());
@@ -515,6 +515,10 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
               gu_w.size() == static_cast<size_t>(L) && dn_w.size() == static_cast<size_t>(L) &&
               ln2.size() == static_cast<size_t>(L) && kc.size() == static_cast<size_t>(L) &&
               vc.size() == static_cast<size_t>(L), op, ": one weight of each kind and one KV pair per layer");
+  const at::Tensor table = table_in.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 2, op, ": the page table is [sequences, pages]");
+  const int64_t tw = table.size(1);
+  const int64_t* tp = table.data_ptr<int64_t>();
   at::Tensor h = h_in.to(at::kFloat).contiguous().clone();
   const at::Tensor cs = cos_in.to(at::kFloat).contiguous(), sn = sin_in.to(at::kFloat).contiguous();
   TORCH_CHECK(cs.dim() == 2 && cs.size(0) == R && cs.size(1) == hd && sn.sizes() == cs.sizes(), op, ": rope tables");
@@ -532,11 +536,16 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
     TORCH_CHECK(kc[i].scalar_type() == at::kFloat && vc[i].scalar_type() == at::kFloat && kc[i].dim() == 4 &&
                 kc[i].is_contiguous() && vc[i].is_contiguous() && vc[i].sizes() == kc[i].sizes() &&
                 kc[i].size(1) == nkv && kc[i].size(3) == hd, op, ": the KV cache must be contiguous float32 "
-                "[slots, nkv, maxlen, hd]");
-    const int64_t maxlen = kc[i].size(2);
-    for (int64_t r = 0; r < R; ++r)
-      TORCH_CHECK(rslots[r] >= 0 && rslots[r] < kc[i].size(0) && rpos[r] >= 0 && rpos[r] < maxlen, op,
-                  ": slot or position out of range");
+                "[pages, nkv, page_size, hd]");
+    const int64_t P = kc[i].size(2), npages = kc[i].size(0);
+    if (i == 0)
+      for (int64_t r = 0; r < R; ++r) {
+        TORCH_CHECK(rslots[r] >= 0 && rslots[r] < table.size(0) && rpos[r] >= 0 && rpos[r] < tw * P, op,
+                    ": sequence or position out of range");
+        for (int64_t pg = 0; pg <= rpos[r] / P; ++pg)
+          TORCH_CHECK(tp[rslots[r] * tw + pg] >= 0 && tp[rslots[r] * tw + pg] < npages, op,
+                      ": a page of the row's keys is not in the pool");
+      }
     rms_rows(hp, ln1[i].data_ptr<float>(), xp, R, H, eps);
     at::Tensor y = project_rows(x, qkv_w[i], qkv_s[i], mode);  // [R, qd + 2 kvd]
     float* yp = y.data_ptr<float>();
@@ -544,16 +553,17 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
       float* yr = yp + r * (qd + 2 * kvd);
       for (int64_t hh = 0; hh < nh + nkv; ++hh) rope_head(yr + hh * hd, cs.data_ptr<float>() + r * hd,
                                                         sn.data_ptr<float>() + r * hd, hd);
-      float* kb = kc[i].data_ptr<float>() + rslots[r] * nkv * maxlen * hd;
-      float* vb = vc[i].data_ptr<float>() + rslots[r] * nkv * maxlen * hd;
+      const int64_t page = tp[rslots[r] * tw + rpos[r] / P], off = rpos[r] % P;
+      float* kb = kc[i].data_ptr<float>() + page * nkv * P * hd;
+      float* vb = vc[i].data_ptr<float>() + page * nkv * P * hd;
       for (int64_t kv = 0; kv < nkv; ++kv) {
-        std::memcpy(kb + (kv * maxlen + rpos[r]) * hd, yr + qd + kv * hd, hd * sizeof(float));
-        std::memcpy(vb + (kv * maxlen + rpos[r]) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
+        std::memcpy(kb + (kv * P + off) * hd, yr + qd + kv * hd, hd * sizeof(float));
+        std::memcpy(vb + (kv * P + off) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
       }
       std::memcpy(qp + r * qd, yr, qd * sizeof(float));  // the queries, packed [R, nh, hd] for dmtd_attend::rows
     }
-    dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), rslots.data(), rlens.data(), R, nh, nkv,
-                      maxlen, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
+    dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), tp, tw, rslots.data(), rlens.data(), R,
+                      nh, nkv, P, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
     h.add_(project_rows(att, o_w[i], o_s[i], mode));
     rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
     at::Tensor gu = project_rows(x, gu_w[i], gu_s[i], mode);
@@ -568,27 +578,28 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
 }  // namespace
 
 // A draft's layers (verified cycles' tails) for one sequence: rows are its consecutive positions ending at
-// read_len − 1 in KV slot `slot` (one new position, or a catch-up chunk).
+// read_len − 1 of sequence `slot` (its pages: table[slot]; one new position, or a catch-up chunk).
 at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                         at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                         at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
-                        at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t slot,
+                        at::TensorList vc, const at::Tensor& table, const at::Tensor& cos_in,
+                        const at::Tensor& sin_in, int64_t slot,
                         int64_t read_len, int64_t nh, int64_t nkv, int64_t hd, double eps_d, int64_t mode) {
   const int64_t R = h_in.size(0);
   TORCH_CHECK(R >= 1 && R <= read_len, "dmtd::draft_layers: ", R, " rows for ", read_len, " positions");
   std::vector<int64_t> rslots(R, slot), rpos(R);
   for (int64_t r = 0; r < R; ++r) rpos[r] = read_len - R + r;
-  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, cos_in, sin_in,
-                          rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::draft_layers");
+  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, table, cos_in,
+                          sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::draft_layers");
 }
 
-// Decode rows through a layer group: row r is position positions[r] of KV slot slots[r] (a batch's rows, a check's
+// Decode rows through a layer group: row r is position positions[r] of sequence slots[r] (a batch's rows, a check's
 // or a refill's chunk of one sequence, or both).
 at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                        at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                        at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
-                       at::TensorList vc, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                       const at::Tensor& slots_in, const at::Tensor& pos_in, int64_t nh, int64_t nkv, int64_t hd,
+                       at::TensorList vc, const at::Tensor& table, const at::Tensor& cos_in,
+                       const at::Tensor& sin_in, const at::Tensor& slots_in, const at::Tensor& pos_in, int64_t nh, int64_t nkv, int64_t hd,
                        double eps_d, int64_t mode) {
   TORCH_CHECK(h_in.dim() == 2, "dmtd::rows_layers: h [R, H]");
   const at::Tensor sl = slots_in.to(at::kLong).contiguous(), ps = pos_in.to(at::kLong).contiguous();
@@ -596,8 +607,8 @@ at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLis
   TORCH_CHECK(sl.numel() == R && ps.numel() == R, "dmtd::rows_layers: one slot and one position per row");
   std::vector<int64_t> rslots(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + R);
   std::vector<int64_t> rpos(ps.data_ptr<int64_t>(), ps.data_ptr<int64_t>() + R);
-  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, cos_in, sin_in,
-                          rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers");
+  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, table, cos_in,
+                          sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers");
 }
 
 }  // namespace
@@ -665,27 +676,35 @@ std::tuple<at::Tensor, at::Tensor> top1(const at::Tensor& x_in) {
   return {idx, prob};
 }
 
-// Decode rows' attention over the float32 KV cache (attend.h): q [B, nh, hd] → [B, nh·hd] float32; row b reads
-// keys 0 .. lens[b] − 1 of slot slots[b] from kc/vc [slots, nkv, maxlen, hd].
-at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots_in,
-                  const at::Tensor& lens_in, double scale) {
+// Decode rows' attention over the paged float32 KV cache (attend.h): q [B, nh, hd] → [B, nh·hd] float32; row b reads
+// keys 0 .. lens[b] − 1 of sequence slots[b], whose pages are table[slots[b]] in kc/vc [pages, nkv, P, hd].
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table_in,
+                  const at::Tensor& slots_in, const at::Tensor& lens_in, double scale) {
   TORCH_CHECK(q_in.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(), "dmtd::attend: q [B, nh, hd], kc/vc "
-              "[slots, nkv, maxlen, hd]");
+              "[pages, nkv, page_size, hd]");
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
               vc.is_contiguous(), "dmtd::attend: the KV cache must be contiguous float32");
-  const int64_t B = q_in.size(0), nh = q_in.size(1), hd = q_in.size(2), nkv = kc.size(1), maxlen = kc.size(2);
+  const int64_t B = q_in.size(0), nh = q_in.size(1), hd = q_in.size(2), nkv = kc.size(1), P = kc.size(2);
   TORCH_CHECK(kc.size(3) == hd && nh % nkv == 0, "dmtd::attend: head shapes do not match the cache");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const at::Tensor table = table_in.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 2, "dmtd::attend: the page table is [sequences, pages]");
+  const int64_t tw = table.size(1);
+  const int64_t* tp = table.data_ptr<int64_t>();
   const at::Tensor slots = slots_in.to(at::kLong).contiguous(), lens = lens_in.to(at::kLong).contiguous();
-  TORCH_CHECK(slots.numel() == B && lens.numel() == B, "dmtd::attend: one slot and one length per row");
+  TORCH_CHECK(slots.numel() == B && lens.numel() == B, "dmtd::attend: one sequence and one length per row");
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < kc.size(0) && lp[b] >= 1 && lp[b] <= maxlen,
-                "dmtd::attend: slot or length out of range");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < table.size(0) && lp[b] >= 1 && lp[b] <= tw * P,
+                "dmtd::attend: sequence or length out of range");
+    for (int64_t pg = 0; pg < (lp[b] + P - 1) / P; ++pg)
+      TORCH_CHECK(tp[sp[b] * tw + pg] >= 0 && tp[sp[b] * tw + pg] < kc.size(0),
+                  "dmtd::attend: a page of the row's keys is not in the pool");
+  }
   at::Tensor out = at::empty({B, nh * hd}, q.options());
-  dmtd_attend::rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, lp, B, nh, nkv, maxlen, hd,
-                    static_cast<float>(scale), out.data_ptr<float>());
+  dmtd_attend::rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), tp, tw, sp, lp, B, nh, nkv, P,
+                    hd, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
