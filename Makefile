@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint bench bench-deps images clean
+.PHONY: setup demo test test-cluster lint bench bench-deps images clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,9 +47,21 @@ test: setup lint
 	bash scripts/install-redis.sh
 	bash scripts/install-chromium.sh
 	bash scripts/install-llama-cpp.sh
+	bash scripts/install-prometheus.sh
 	bash scripts/check-proto.sh
 	IMAGES_OPTIONAL=1 bash scripts/build-images.sh
+	IMAGES_OPTIONAL=1 bash scripts/build-redis-image.sh
 	$(BIN)/python -m pytest -q
+
+# tests/cluster alone (a part of `make test`): the operator's RayService as a 3-node Ray cluster in podman, node
+# loss, scaling, Redis restart, Prometheus and the chart's pods under `podman kube play` (docs/operations.md).
+test-cluster: setup
+	bash scripts/install-helm.sh
+	bash scripts/install-redis.sh
+	bash scripts/install-prometheus.sh
+	bash scripts/build-images.sh
+	bash scripts/build-redis-image.sh
+	$(BIN)/python -m pytest -q -s tests/cluster
 
 # The container images the chart runs (podman, local Debian base; see docker/).
 images:

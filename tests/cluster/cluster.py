@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from tests.cluster import kuberay
@@ -95,8 +96,13 @@ class RayNode:
     def running(self) -> bool:
         return podman("inspect", "-f", "{{.State.Running}}", self.spec.name, check=False) == "true"
 
-    def kill(self) -> None:
+    def kill(self) -> float:
+        """SIGKILL to every process of the pod, as a lost node; the wall-clock time podman saw it die."""
         podman("kill", self.spec.name)
+        podman("wait", self.spec.name, check=False)
+        stamp = json.loads(podman("inspect", "-f", "{{json .State.FinishedAt}}", self.spec.name))
+        whole, _, frac = stamp.rstrip("Z").partition(".")
+        return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
 
     def logs(self, tail: int = 60) -> str:
         out = subprocess.run([*PODMAN, "logs", "--tail", str(tail), self.spec.name], capture_output=True, text=True,

@@ -90,5 +90,6 @@ def prometheus(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) ->
     targets = [f"{n.ip}:{r.METRICS_PORT}" for n in [cluster.head, *cluster.workers]]
     proc = PrometheusProcess(cluster.network.gateway, PROMETHEUS_PORT, tmp_path_factory.mktemp("prometheus"),
                              scrape_config(NAMESPACE, NAME, targets, interval_s=2)).start()
+    proc.wait_targets_up(len(targets), timeout_s=30)
     yield proc
     proc.stop()

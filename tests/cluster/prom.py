@@ -72,6 +72,17 @@ class PrometheusProcess:
         """scrape URL → "up" / "down" of every active target."""
         return {t["scrapeUrl"]: t["health"] for t in self.api("targets")["activeTargets"]}
 
+    def wait_targets_up(self, count: int, timeout_s: float) -> None:
+        """Until ``count`` targets were scraped successfully (discovery and the first scrape take a moment)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            health = self.target_health()
+            if list(health.values()).count("up") >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prometheus targets not up in {timeout_s} s: {health}")
+            time.sleep(0.5)
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()

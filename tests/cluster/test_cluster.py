@@ -10,18 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from openai import OpenAI
 
 from dmtd.client import AsyncDMTDClient, DMTDClient
 from dmtd_contract.registry import RegistryClient, VariantSpec
 from dmtd_operator import render
 from tests.cluster import kuberay
-from tests.cluster.burst import BurstPlan, run_burst
 from tests.cluster.cluster import RayCluster
-from tests.cluster.conftest import NAME, NAMESPACE, SPEC, render_target
+from tests.cluster.conftest import SPEC, render_target
 from tests.cluster.load import ClosedLoop, StreamResult, first_success, stream
-from tests.cluster.prom import PrometheusProcess
 from tests.cluster.redis_proc import RedisProcess
 
 
@@ -110,28 +107,33 @@ def test_worker_killed_under_16_streams(cluster: RayCluster) -> None:
     victim = cluster.node_of(nodes[next(iter(nodes))])
     killed = {r["replica_id"] for r in cluster.running_replicas("DMTDReplica") if r["node_ip"] == victim.ip}
 
-    async def run() -> tuple[list[StreamResult], float, tuple[float, int]]:
+    async def run() -> tuple[list[StreamResult], tuple[float, float], tuple[float, int]]:
         async with AsyncDMTDClient(target, timeout_s=300) as client:
             firsts = [asyncio.Event() for _ in range(16)]
             tasks = [asyncio.create_task(stream(client, i, 160, firsts[i])) for i in range(16)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 180)  # all 16 are streaming
-            t_kill = time.monotonic()
-            await asyncio.to_thread(victim.kill)
+            t_cmd = time.time()
+            died = await asyncio.to_thread(victim.kill)
             new = await first_success(target, 5.0)
             results = list(await asyncio.gather(*tasks))
-            return results, t_kill, new
+            return results, (t_cmd, died), new
 
-    results, t_kill, (new_s, new_failed) = asyncio.run(run())
+    results, (t_cmd, died), (new_ok, new_failed) = asyncio.run(run())
+    new_s = new_ok - died
     on_victim = [r for r in results if nodes.get(r.replica) == victim.ip]
     others = [r for r in results if nodes.get(r.replica) != victim.ip]
     assert on_victim and others, [(r.replica, r.code) for r in results]
-    late = [(r.code, round(r.ended - t_kill, 2)) for r in on_victim if r.code != "UNAVAILABLE" or r.ended - t_kill > 1]
+    # from the moment the container died (podman's FinishedAt), not from the kill command: `podman kill` itself
+    # took 0.3-1.4 s on the loaded 2-core machine
+    late = [(r.code, round(r.ended_wall - died, 2)) for r in on_victim
+            if r.code != "UNAVAILABLE" or r.ended_wall - died > 1]
     assert not late, late
     assert all(r.ok and r.tokens == r.expected_tokens for r in others), [(r.code, r.tokens) for r in others]
-    worst = max(r.ended - t_kill for r in on_victim)
-    print(f"node loss: {len(on_victim)} streams on the killed worker ended UNAVAILABLE within {worst:.2f} s; "
-          f"{len(others)} on the other worker completed; a new request succeeded {new_s:.2f} s after the kill "
-          f"({new_failed} failed before)")
+    worst = max(r.ended_wall - died for r in on_victim)
+    assert new_s <= 5
+    print(f"node loss: {len(on_victim)} streams on the killed worker ended UNAVAILABLE within {worst:.2f} s of its "
+          f"death ({died - t_cmd:.2f} s after `podman kill` was called); {len(others)} on the other worker "
+          f"completed; a new request succeeded {new_s:.2f} s after its death ({new_failed} failed before)")
     t_back = time.monotonic()
     victim.start()  # the pod comes back: a new container at the same address, a new Ray node
     wait_new_replica(cluster, victim.ip, killed, 60)
@@ -218,34 +220,3 @@ def test_redis_restart_under_load_fails_no_request(cluster: RayCluster, registry
     print(f"redis restart: {len(results)} requests under load, 0 failed; the gateway followed a change written "
           f"after the restart {seen_s:.1f} s later")
 
-
-def test_burst_scaled_by_the_policy_from_prometheus(cluster: RayCluster, registry: RedisProcess,
-                                                    prometheus: PrometheusProcess,
-                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A 3x burst: every 10 s the operator's metrics source queries Prometheus (its PromQL), the policy decides,
-    and the decision (replicas, tau) is rendered and submitted as KubeRay would; SLO attainment and
-    replica-seconds beside `dmtd bench autoscale`'s prediction for the same trace."""
-    assert len(cluster.running_replicas("DMTDReplica")) == 1
-    health = prometheus.target_health()
-    assert len(health) == 3 and set(health.values()) == {"up"}, health
-    plan = BurstPlan()
-    spec = plan.spec(SPEC)
-    run = asyncio.run(run_burst(cluster, plan, spec, prometheus.url, registry.url, NAME, NAMESPACE,
-                                start=(1, 4)))
-    predicted = plan.predicted(tmp_path_factory.mktemp("sim"))
-    windows = [e.window for e in run.evaluations if e.window is not None]
-    assert windows and max(w.requests_s for w in windows) > 0 and max(w.ready_replicas or 0 for w in windows) >= 1
-    assert any(w.ttft_p95_ms is not None and w.itl_p95_ms is not None for w in windows)
-    assert max(e.decision.replicas for e in run.evaluations) == 2  # the burst asked for the second replica
-    assert max(n for _, n in run.running) == 2  # and the cluster ran it
-    failed = [(r.code, r.detail) for r in run.results if not r.ok or r.tokens != r.expected_tokens]
-    assert not failed, failed[:3]
-    figures = {"requests": len(run.results), "slo_attainment": round(run.slo_attainment(plan), 3),
-               "replica_s": round(run.replica_s(plan.duration_s), 1),
-               "running_replica_s": round(sum(n * 2 for _, n in run.running), 1),
-               "decisions": [(round(e.t_s), e.decision.replicas, e.decision.tau_max,
-                              None if e.window is None else round(e.window.requests_s, 2),
-                              None if e.window is None or e.window.ttft_p95_ms is None
-                              else round(e.window.ttft_p95_ms)) for e in run.evaluations],
-               "predicted": predicted}
-    print("burst:", json.dumps(figures))
