@@ -58,7 +58,7 @@ class EngineFactory:
     max_num_seqs: int = 64
     max_model_len: int = 8192
     # the KV pool (dmtd.engine.kv_pages): positions shared by every sequence (default: 16 × 2,048, what 16 fixed
-    # slots held before pages), or GiB of memory
+    # slots held before pages; never more than every sequence at max_model_len), or GiB of memory
     kv_cache_tokens: int | None = 32768
     kv_cache_gib: float | None = None
     itl_slo_ms: float = 50.0
@@ -83,7 +83,8 @@ class EngineFactory:
         spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
                            search_dirs=[SHIPPED_VARIANTS])
         engine = build_engine(spec, EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                                                 kv_cache_tokens=None if self.kv_cache_gib else self.kv_cache_tokens,
+                                                 kv_cache_tokens=None if self.kv_cache_gib or not self.kv_cache_tokens
+                                                 else min(self.kv_cache_tokens, self.max_num_seqs * self.max_model_len),
                                                  kv_cache_gib=self.kv_cache_gib,
                                                  device=device, dtype=dtype, quant=quant,
                                                  adaptive_drafts=self.adaptive_drafts,
