@@ -50,9 +50,9 @@ def engine(seed: int, *, pool: int | None, slots: int, dtype: str, align_phases:
 def test_tokens_are_the_same_whatever_the_pool_and_however_often_sequences_are_preempted(
         seed, prefix_len, suffixes, taus, exact, dtype, pool, max_new):
     """Waves of random prompts over a shared random prefix, greedy, exact or DMTD profile with mixed τ, on pools of
-    16-24 pages of 4 positions (the longest request fits one; sequences preempted, cached prompts dropped) against a pool with room for every
-    sequence: identical tokens. As in the prefix-cache test, the DMTD profile runs without phase alignment (aligned,
-    a row's heads follow the clock of whatever ran beside it)."""
+    16-24 pages of 4 positions (the longest request fits; sequences preempted, cached prompts dropped) against a
+    pool with room for every sequence: identical tokens. As in the prefix-cache test, the DMTD profile runs without
+    phase alignment (aligned, a row's heads follow the clock of whatever ran beside it)."""
     g = torch.Generator().manual_seed(seed)
     prefix = rand_ids(g, prefix_len)
     waves = [[prefix + rand_ids(g, s) for s in wave] for wave in suffixes]

@@ -47,7 +47,8 @@ def run_closed(engine: Any, prompts: list[Any], concurrency: int, max_new: int, 
     from dmtd.engine.sequence import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, exact=True)
-    todo, live, tokens, done, peak_running = list(prompts), set(), 0, 0, 0
+    todo, tokens, done, peak_running = list(prompts), 0, 0, 0
+    live: set[str] = set()
     sch = engine.scheduler
     sch.pages.peak_used, preempted0 = sch.pages.num_used, sch.num_preempted
     t0 = time.perf_counter()

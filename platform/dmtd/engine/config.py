@@ -193,9 +193,10 @@ class EngineConfig:
     prefill_chunk: int = 128
     prefix_caching: bool = True  # a prompt's leading chunks found in a slot are reused (dmtd.engine.prefix_cache)
     # the KV cache is one pool of pages of page_size positions (dmtd.engine.kv_pages; with prefix caching, a divisor
-    # of prefill_chunk: gcd(page_size, prefill_chunk)); a sequence holds the pages of the positions it has written. kv_cache_tokens: the pool's positions (None: max_num_seqs × max_model_len, room
-    # for every sequence at full length); kv_cache_gib sizes it by memory instead (every layer group's KV, the
-    # verifier's and the tail path's stash counted)
+    # of prefill_chunk: gcd(page_size, prefill_chunk)); a sequence holds the pages of the positions it has written.
+    # kv_cache_tokens: the pool's positions (None: max_num_seqs × max_model_len, room for every sequence at full
+    # length); kv_cache_gib sizes it by memory instead (every layer group's KV, the verifier's and the tail path's
+    # stash counted)
     page_size: int = 16
     kv_cache_tokens: int | None = None
     kv_cache_gib: float | None = None

@@ -3,19 +3,17 @@ preemption, DMTD phases, blocks, retirement."""
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from dmtd.engine.config import ConfigError, DMTDConfig
+from dmtd.engine.config import DMTDConfig
 from dmtd.engine.draft_policy import count_cycle
-from dmtd.engine.kv_pages import KVPages, pages_for
-from dmtd.engine.prefix_cache import PrefixCache, chain
+from dmtd.engine.kv_manager import CapacityError, KVCacheManager
+from dmtd.engine.kv_pages import KVPages
+from dmtd.engine.prefix_cache import PrefixCache
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
-
-class CapacityError(RequestError):
-    """The request can never fit this engine (context length)."""
+__all__ = ["CapacityError", "Scheduler", "SchedulerOutput", "TokenEvent"]
 
 
 @dataclass(slots=True)
@@ -71,9 +69,9 @@ class Scheduler:
                  max_prefill_tokens: int, align_phases: bool = False, prefill_chunk: int = 128,
                  prefix_caching: bool = True, pages: KVPages | None = None) -> None:
         self.dmtd = dmtd
-        self.pages = pages or KVPages(max_num_seqs * pages_for(max_model_len, 16), 16, max_num_seqs)
         # positions past num_tokens that one decode step may write: a check of τ − 1 drafts, or the draft before it
         self.lookahead = max(dmtd.tau_max, 1)
+        self.kv = KVCacheManager(max_num_seqs, max_model_len, self.lookahead, prefill_chunk, prefix_caching, pages)
         self.num_preempted = 0
         self._preempted: list[Sequence] = []  # since the engine last took them (take_preempted)
         # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
@@ -85,22 +83,22 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max(max_prefill_tokens, prefill_chunk)
         self.prefill_chunk = prefill_chunk
-        self.prefix = PrefixCache(prefill_chunk) if prefix_caching else None
-        if self.prefix is not None:
-            if prefill_chunk % self.pages.page_size:
-                raise ConfigError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size "
-                                  f"({self.pages.page_size}) with prefix caching: a cached chunk is whole pages")
-            self.pages.evictor = self._evict_chunk
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, their prompts partly prefilled
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_num_seqs))
-        heapq.heapify(self._free_slots)
         self._last_prefill = False
 
     @property
+    def pages(self) -> KVPages:
+        return self.kv.pages
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.kv.prefix
+
+    @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return self.kv.num_free_rows
 
     @property
     def num_unfinished(self) -> int:
@@ -117,14 +115,7 @@ class Scheduler:
         if not 1 <= seq.cycle_len <= self.dmtd.tau_max:
             raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max} (the variant's tau_max), "
                                f"got {seq.cycle_len}")
-        P, total = self.pages.page_size, self.pages.num_pages
-        if pages_for(min(seq.num_tokens + self.lookahead, self.max_model_len), P) > total:
-            raise CapacityError("prompt", f"{seq.num_tokens} tokens need more than the KV pool's {total} pages of {P} "
-                                "positions")
-        longest = min(seq.num_tokens + seq.params.max_new_tokens + self.lookahead, self.max_model_len)
-        if pages_for(longest, P) > total:
-            raise CapacityError("max_new_tokens", f"{seq.num_tokens} prompt tokens and {seq.params.max_new_tokens} "
-                                f"new ones need more than the KV pool's {total} pages of {P} positions")
+        self.kv.check(seq)
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -141,7 +132,7 @@ class Scheduler:
             while budget > 0:
                 if queue:
                     seq = queue.pop(0)
-                elif self.waiting and self.num_free_slots and self._fits(self.waiting[0]):
+                elif self.waiting and self.kv.fits(self.waiting[0], len(self.running) + len(self.prefilling)):
                     seq = self.waiting.popleft()
                     if not self._admit(seq, out):
                         break
@@ -161,35 +152,19 @@ class Scheduler:
             out.decode = list(self.running)
         return out
 
-    def _evict_chunk(self, held: list[int]) -> list[int]:
-        assert self.prefix is not None
-        return self.prefix.evict(held)
-
-    def _fits(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence's prompt gets its pages now, a page of growth left for each admitted one."""
-        need = pages_for(min(seq.num_tokens + self.lookahead, self.max_model_len), self.pages.page_size)
-        reserve = len(self.running) + len(self.prefilling)
-        return need + reserve <= self.pages.num_free + self.pages.num_evictable
-
-    def _grow(self, slot: int, positions: int) -> bool:
-        """Pages for ``slot``'s positions ``0 .. positions - 1`` (cached chunks no sequence holds are dropped while
-        too few are free); False if even that is not enough."""
-        return self.pages.grow(slot, min(positions, self.max_model_len))
-
     def _reserve_decode(self) -> None:
         """Every running sequence's pages for what this step may write, oldest first; the newest are preempted
         while the pool cannot give them."""
         for seq in sorted(self.running, key=lambda s: s.seq_no):
-            while seq.status is SequenceStatus.RUNNING and not self._grow(seq.slot, seq.num_tokens + self.lookahead):
+            while seq.status is SequenceStatus.RUNNING and not self.kv.grow(seq, seq.num_tokens + self.lookahead):
                 self.preempt(max(self.running + self.prefilling, key=lambda s: s.seq_no))
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and pages and queue it first: it is prefilled again over its prompt and the tokens it
         has so far, and goes on from there (its emitted tokens stay emitted)."""
         (self.prefilling if seq in self.prefilling else self.running).remove(seq)
-        self.pages.shrink(seq.slot, 0)
-        heapq.heappush(self._free_slots, seq.slot)
-        seq.slot, seq.status = -1, SequenceStatus.WAITING
+        self.kv.release(seq)
+        seq.status = SequenceStatus.WAITING
         seq.num_prefilled = seq.prefill_end = 0
         seq.resume_len = seq.num_tokens - 1
         seq.drafts, seq.draft_done, seq.context_ngram, seq.num_extended = [], False, 0, 0
@@ -204,53 +179,19 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """A cache row for ``seq``, the pages of its prompt's leading chunks published before (shared), and its own
-        pages for the rest; False (back to the queue's head) if the pool cannot give them."""
-        slot = heapq.heappop(self._free_slots)
-        n = 0
-        if self.prefix is not None:
-            salt = f"{int(seq.params.exact)}:{seq.cycle_len if self.dmtd.phase_anchor == 'absolute' else 0}"
-            # only prompt chunks are published or reused: a generated position's KV came from a decode step
-            seq.prefix_keys = chain(seq.token_ids[: seq.prompt_len], self.prefill_chunk, salt)
-            # at least the last prompt token is computed: its logits draw the first token
-            n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
-            self.pages.share(slot, shared)
-            if not seq.num_preempted:  # a preempted sequence's return is no new request
-                st = self.prefix.stats
-                st.lookups += 1
-                st.hits += n > 0
-                st.prompt_tokens += seq.num_tokens
-                st.cached_tokens += n * self.prefill_chunk
-        if not self._grow(slot, seq.num_tokens + self.lookahead):  # the pool is short after all: wait
-            self.pages.shrink(slot, 0)
-            heapq.heappush(self._free_slots, slot)
+        """A cache row and KV pages for ``seq`` (its prompt's published chunks shared); False (back to the queue's
+        head) if the pool cannot give them."""
+        salt = f"{int(seq.params.exact)}:{seq.cycle_len if self.dmtd.phase_anchor == 'absolute' else 0}"
+        if not self.kv.admit(seq, salt):
             self.waiting.appendleft(seq)
             return False
-        seq.slot = slot
-        seq.num_prefilled = seq.num_cached_tokens = n * self.prefill_chunk
         seq.status = SequenceStatus.RUNNING
         self.prefilling.append(seq)
         return True
 
     def reuse(self, seq: Sequence) -> None:
-        """Right before ``seq``'s chunks run: whole chunks past its prefilled ones that another sequence published
-        since its admission (a prompt admitted beside one with the same prefix) replace its own pages for them;
-        its chunks this step start after them."""
-        if self.prefix is None or seq.num_prefilled != seq.num_cached_tokens:
-            return  # only before its first computed chunk: after it, its own chunks are as good
-        n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.prefill_chunk])
-        cached = n * self.prefill_chunk
-        if cached <= seq.num_prefilled:
-            return
-        st = self.prefix.stats
-        st.hits += seq.num_cached_tokens == 0
-        st.cached_tokens += cached - seq.num_cached_tokens
-        self.pages.shrink(seq.slot, 0)  # its own pages (nothing computed in them yet) go back, the shared come in
-        self.pages.share(seq.slot, shared)
-        grown = self._grow(seq.slot, seq.num_tokens + self.lookahead)
-        assert grown, "the pages it let go cover what it needs"
-        seq.num_prefilled = seq.num_cached_tokens = cached
-        seq.prefill_end = max(seq.prefill_end, cached)
+        """Right before ``seq``'s chunks run: chunks published since its admission are read, not computed."""
+        self.kv.reuse(seq)
 
     def prefilled(self, seqs: list[Sequence]) -> list[Sequence]:
         """After a prefill step: the chunks are in the cache (published where whole); the sequences whose prompt
@@ -258,10 +199,7 @@ class Scheduler:
         done = []
         for seq in seqs:
             seq.num_prefilled = seq.prefill_end
-            if self.prefix is not None:
-                keys = seq.prefix_keys[: seq.num_prefilled // self.prefill_chunk]
-                per = self.prefill_chunk // self.pages.page_size
-                self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.slot][: len(keys) * per]))
+            self.kv.publish(seq)
             if seq.resume_len and seq.num_prefilled == seq.resume_len:  # back where it was preempted: decode on
                 seq.num_think_cached = seq.num_tail_cached = seq.resume_len
                 seq.resume_len = 0
@@ -279,13 +217,7 @@ class Scheduler:
 
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Run a sequence whose prompt KV another slot's prefill made (dmtd.engine.forks): a slot now, or False."""
-        if not self.num_free_slots:
-            return False
-        seq.slot = heapq.heappop(self._free_slots)
-        if not self._grow(seq.slot, seq.num_tokens + self.lookahead):
-            self.pages.shrink(seq.slot, 0)
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
+        if not self.kv.admit_prefilled(seq):
             return False
         seq.num_prefilled = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
@@ -436,8 +368,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             (self.prefilling if seq in self.prefilling else self.running).remove(seq)
-            self.pages.shrink(seq.slot, 0)  # its published chunks stay cached
-            heapq.heappush(self._free_slots, seq.slot)
+            self.kv.release(seq)  # its published chunks stay cached
         else:
             self.waiting.remove(seq)
         seq.slot = -1

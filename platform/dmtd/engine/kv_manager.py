@@ -1,0 +1,135 @@
+"""The KV cache manager (torch-free): which cache row and which KV pages each sequence holds, and the prefix cache.
+
+The scheduler decides who runs; it asks the manager for a sequence's row and pages (admission, growth before a step,
+release) and the manager answers from the page pool (:mod:`dmtd.engine.kv_pages`) and the published prompt chunks
+(:mod:`dmtd.engine.prefix_cache`). The runner only reads the page table these lists fill.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from dmtd.engine.config import ConfigError
+from dmtd.engine.kv_pages import KVPages, pages_for
+from dmtd.engine.prefix_cache import PrefixCache, chain
+from dmtd.engine.sequence import RequestError, Sequence
+
+
+class CapacityError(RequestError):
+    """The request can never fit this engine (context length, KV pool)."""
+
+
+class KVCacheManager:
+    """Cache rows (one per running sequence: its row of the page table), pages, published prompt chunks."""
+
+    def __init__(self, num_rows: int, max_model_len: int, lookahead: int, prefill_chunk: int, prefix_caching: bool,
+                 pages: KVPages | None = None) -> None:
+        self.pages = pages or KVPages(num_rows * pages_for(max_model_len, 16), 16, num_rows)
+        self.max_model_len = max_model_len
+        # positions past num_tokens that one decode step may write: a check of τ − 1 drafts, or the draft before it
+        self.lookahead = lookahead
+        self.chunk = prefill_chunk
+        self.prefix = PrefixCache(prefill_chunk) if prefix_caching else None
+        if self.prefix is not None:
+            if prefill_chunk % self.pages.page_size:
+                raise ConfigError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size "
+                                  f"({self.pages.page_size}) with prefix caching: a cached chunk is whole pages")
+            self.pages.evictor = self.prefix.evict
+        self._free_rows = list(range(num_rows))
+        heapq.heapify(self._free_rows)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def check(self, seq: Sequence) -> None:
+        """Refuse a request that can never fit: its prompt, or its prompt and ``max_new_tokens``, need more pages
+        than the pool has."""
+        P, total = self.pages.page_size, self.pages.num_pages
+        if pages_for(min(seq.num_tokens + self.lookahead, self.max_model_len), P) > total:
+            raise CapacityError("prompt", f"{seq.num_tokens} tokens need more than the KV pool's {total} pages of {P} "
+                                "positions")
+        longest = min(seq.num_tokens + seq.params.max_new_tokens + self.lookahead, self.max_model_len)
+        if pages_for(longest, P) > total:
+            raise CapacityError("max_new_tokens", f"{seq.num_tokens} prompt tokens and {seq.params.max_new_tokens} "
+                                f"new ones need more than the KV pool's {total} pages of {P} positions")
+
+    def fits(self, seq: Sequence, admitted: int) -> bool:
+        """Whether a waiting sequence's prompt gets its pages now, a page of growth left for each of the
+        ``admitted`` sequences."""
+        need = pages_for(min(seq.num_tokens + self.lookahead, self.max_model_len), self.pages.page_size)
+        return self.num_free_rows > 0 and need + admitted <= self.pages.num_free + self.pages.num_evictable
+
+    def grow(self, seq: Sequence, positions: int) -> bool:
+        """Pages for ``seq``'s positions ``0 .. positions - 1`` (cached chunks no sequence holds are dropped while
+        too few are free); False if even that is not enough."""
+        return self.pages.grow(seq.slot, min(positions, self.max_model_len))
+
+    def admit(self, seq: Sequence, salt: str) -> bool:
+        """A row for ``seq``, the pages of its prompt's leading chunks published before (shared), its own pages for
+        the rest of its prompt and a step's growth; sets its row and how much of its prompt is cached. False
+        (nothing held) if the pool cannot give them."""
+        seq.slot = heapq.heappop(self._free_rows)
+        n = 0
+        if self.prefix is not None:
+            # only prompt chunks are published or reused: a generated position's KV came from a decode step
+            seq.prefix_keys = chain(seq.token_ids[: seq.prompt_len], self.chunk, salt)
+            # at least the last prompt token is computed: its logits draw the first token
+            n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.chunk])
+            self.pages.share(seq.slot, shared)
+            if not seq.num_preempted:  # a preempted sequence's return is no new request
+                st = self.prefix.stats
+                st.lookups += 1
+                st.hits += n > 0
+                st.prompt_tokens += seq.num_tokens
+                st.cached_tokens += n * self.chunk
+        if not self.grow(seq, seq.num_tokens + self.lookahead):
+            self.release(seq)
+            return False
+        seq.num_prefilled = seq.num_cached_tokens = n * self.chunk
+        return True
+
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """A row and pages for a sequence whose prompt KV is copied in from a sibling's (dmtd.engine.forks)."""
+        if not self.num_free_rows:
+            return False
+        seq.slot = heapq.heappop(self._free_rows)
+        if not self.grow(seq, seq.num_tokens + self.lookahead):
+            self.release(seq)
+            return False
+        return True
+
+    def reuse(self, seq: Sequence) -> None:
+        """Right before ``seq``'s chunks run: whole chunks past its prefilled ones that another sequence published
+        since its admission (a prompt admitted beside one with the same prefix) replace its own pages for them."""
+        if self.prefix is None or seq.num_prefilled != seq.num_cached_tokens:
+            return  # only before its first computed chunk: after it, its own chunks are as good
+        n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.chunk])
+        cached = n * self.chunk
+        if cached <= seq.num_prefilled:
+            return
+        st = self.prefix.stats
+        st.hits += seq.num_cached_tokens == 0
+        st.cached_tokens += cached - seq.num_cached_tokens
+        self.pages.shrink(seq.slot, 0)  # its own pages (nothing computed in them yet) go back, the shared come in
+        self.pages.share(seq.slot, shared)
+        grown = self.grow(seq, seq.num_tokens + self.lookahead)
+        assert grown, "the pages it let go cover what it needs"
+        seq.num_prefilled = seq.num_cached_tokens = cached
+        seq.prefill_end = max(seq.prefill_end, cached)
+
+    def publish(self, seq: Sequence) -> None:
+        """``seq``'s whole prompt chunks prefilled so far become findable (their pages cached)."""
+        if self.prefix is None:
+            return
+        keys = seq.prefix_keys[: seq.num_prefilled // self.chunk]
+        per = self.chunk // self.pages.page_size
+        self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.slot][: len(keys) * per]))
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` lets its row and pages go (its published chunks stay cached)."""
+        if seq.slot < 0:
+            return
+        self.pages.shrink(seq.slot, 0)
+        heapq.heappush(self._free_rows, seq.slot)
+        seq.slot = -1
