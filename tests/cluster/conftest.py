@@ -1,4 +1,5 @@
-"""One Ray cluster from the operator's RayService for the module's tests: podman containers on a bridge network
+"""One Ray cluster from the operator's RayService for test_cluster.py's tests, in their order (module-scoped:
+torn down before `make test` goes on to other packages): podman containers on a bridge network
 inside this process's private network namespace, Redis on the bridge's host side."""
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def network(serving_image: str) -> Iterator[PodNetwork]:
     net.remove()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def registry(network: PodNetwork, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     proc = RedisProcess(network.gateway, REDIS_PORT, tmp_path_factory.mktemp("redis")).start()
     yield proc
     proc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(network: PodNetwork, registry: RedisProcess) -> Iterator[RayCluster]:
     rs = render.ray_service(render_target(registry.url))
     c = RayCluster(rs, network, num_workers=2, prefix=network.name)
@@ -83,13 +84,14 @@ def cluster(network: PodNetwork, registry: RedisProcess) -> Iterator[RayCluster]
         c.remove()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prometheus(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusProcess]:
     """Scrapes every serving pod's metrics port every 2 s, as the chart's ServiceMonitor scrapes the
     `<name>-metrics` Service (one endpoint per pod)."""
     targets = [f"{n.ip}:{r.METRICS_PORT}" for n in [cluster.head, *cluster.workers]]
     proc = PrometheusProcess(cluster.network.gateway, PROMETHEUS_PORT, tmp_path_factory.mktemp("prometheus"),
                              scrape_config(NAMESPACE, NAME, targets, interval_s=2)).start()
-    proc.wait_targets_up(len(targets), timeout_s=30)
+    # a worker pod exports metrics only while a replica runs on it (the gateway's are on the head)
+    proc.wait_targets_up(1 + len(cluster.running_replicas("DMTDReplica")), timeout_s=30)
     yield proc
     proc.stop()

@@ -10,15 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from openai import OpenAI
 
 from dmtd.client import AsyncDMTDClient, DMTDClient
 from dmtd_contract.registry import RegistryClient, VariantSpec
 from dmtd_operator import render
 from tests.cluster import kuberay
+from tests.cluster.burst import BurstPlan, run_burst
 from tests.cluster.cluster import RayCluster
-from tests.cluster.conftest import SPEC, render_target
+from tests.cluster.conftest import NAME, NAMESPACE, SPEC, render_target
 from tests.cluster.load import ClosedLoop, StreamResult, first_success, stream
+from tests.cluster.prom import PrometheusProcess
 from tests.cluster.redis_proc import RedisProcess
 
 
@@ -220,3 +223,35 @@ def test_redis_restart_under_load_fails_no_request(cluster: RayCluster, registry
     print(f"redis restart: {len(results)} requests under load, 0 failed; the gateway followed a change written "
           f"after the restart {seen_s:.1f} s later")
 
+
+def test_burst_scaled_by_the_policy_from_prometheus(cluster: RayCluster, registry: RedisProcess,
+                                                    prometheus: PrometheusProcess,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A 3x burst: every 10 s the operator's metrics source queries Prometheus (its PromQL), the policy decides,
+    and the decision (replicas, tau) is rendered and submitted as KubeRay would; SLO attainment and
+    replica-seconds beside `dmtd bench autoscale`'s prediction for the same trace."""
+    (replica,) = cluster.running_replicas("DMTDReplica")
+    health = prometheus.target_health()
+    assert len(health) == 3 and all(health[f"http://{ip}:9464/metrics"] == "up"
+                                    for ip in (cluster.head.ip, replica["node_ip"])), health
+    plan = BurstPlan()
+    spec = plan.spec(SPEC)
+    run = asyncio.run(run_burst(cluster, plan, spec, prometheus.url, registry.url, NAME, NAMESPACE,
+                                start=(1, 4)))
+    predicted = plan.predicted(tmp_path_factory.mktemp("sim"))
+    windows = [e.window for e in run.evaluations if e.window is not None]
+    assert windows and max(w.requests_s for w in windows) > 0 and max(w.ready_replicas or 0 for w in windows) >= 1
+    assert any(w.ttft_p95_ms is not None and w.itl_p95_ms is not None for w in windows)
+    assert max(e.decision.replicas for e in run.evaluations) == 2  # the burst asked for the second replica
+    assert max(n for _, n in run.running) == 2  # and the cluster ran it
+    failed = [(r.code, r.detail) for r in run.results if not r.ok or r.tokens != r.expected_tokens]
+    assert not failed, failed[:3]
+    figures = {"requests": len(run.results), "slo_attainment": round(run.slo_attainment(plan), 3),
+               "replica_s": round(run.replica_s(plan.duration_s), 1),
+               "running_replica_s": round(sum(n * 2 for _, n in run.running), 1),
+               "decisions": [(round(e.t_s), e.decision.replicas, e.decision.tau_max,
+                              None if e.window is None else round(e.window.requests_s, 2),
+                              None if e.window is None or e.window.ttft_p95_ms is None
+                              else round(e.window.ttft_p95_ms)) for e in run.evaluations],
+               "predicted": predicted}
+    print("burst:", json.dumps(figures))
