@@ -188,6 +188,13 @@ def cmd_bench_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_ready(args: argparse.Namespace) -> int:
+    from dmtd.bench.ready_bench import run_ready_bench
+
+    run_ready_bench(args)
+    return 0
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from dmtd.train.commands import run_data
 
@@ -264,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pool_bench_args(bpo)
     bpo.set_defaults(func=cmd_bench_pool)
+    brd = bsub.add_parser("ready", help="dmtd serve as a new user starts it: the first request's TTFT after it says "
+                          "it serves, against the next ones'")
+    from dmtd.bench.ready_bench import add_ready_bench_args
+
+    add_ready_bench_args(brd)
+    brd.set_defaults(func=cmd_bench_ready)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
     from dmtd.serve.bench import add_bench_serve_args

@@ -166,6 +166,16 @@ class LLMEngine(DraftChoice):
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def cache_report(self) -> dict[str, float]:
+        """The KV cache's counters: free rows, the pool's pages (in use, peak, cached), preemptions, and the prefix
+        cache's lookups, hits and cached share (none without it)."""
+        sch = self.scheduler
+        out: dict[str, float] = {"free_slots": sch.num_free_slots, "preempted": sch.num_preempted,
+                                 **sch.pages.report()}
+        if sch.prefix is not None:
+            out.update(sch.prefix.report())
+        return out
+
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         t_step = time.perf_counter()

@@ -75,23 +75,18 @@ class EngineLoop:
     def stats(self) -> dict[str, Any]:
         d = self.controller.decision
         return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "pending": len(self._adds), "free_slots": self.engine.scheduler.num_free_slots,
+                "pending": len(self._adds),
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
-                "loop_restarts": self.restarts, "preempted": self.engine.scheduler.num_preempted,
-                **self.engine.scheduler.pages.report(), **self.prefix_stats()}
-
-    def prefix_stats(self) -> dict[str, Any]:
-        pc = self.engine.scheduler.prefix
-        return {} if pc is None else pc.report()
+                "loop_restarts": self.restarts, **self.engine.cache_report()}
 
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
         c, d, e = self.controller.cfg, self.controller.decision, self.engine
-        pages = e.scheduler.pages
+        cache = e.cache_report()
         return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
-                            kv_occupancy=pages.num_used / pages.num_pages,
-                            prefix_hit_ratio=float(self.prefix_stats().get("prefix_hit_ratio", 0.0)),
+                            kv_occupancy=cache["kv_utilisation"],
+                            prefix_hit_ratio=float(cache.get("prefix_hit_ratio", 0.0)),
                             tau=d.tau, tau_min=c.tau_min,
                             tau_max=c.tau_max, min_confidence=d.min_confidence)
 
