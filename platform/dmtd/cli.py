@@ -160,6 +160,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# the in-process benches: name → (module, help); each module dmtd.bench.<stem>_bench has add_<stem>_bench_args and
+# run_<stem>_bench
+ENGINE_BENCHES = {
+    "kernels": ("kernel_bench", "bf16 products by rows on every kernel path of this CPU, beside torch's"),
+    "prefix": ("prefix_bench", "the engine with and without the prefix cache (shared system prompts), and a stream's "
+               "ITL while a long prompt arrives, chunked and whole"),
+    "pool": ("pool_bench", "the paged KV pool (64 sequences, 8,192 context) beside 16 fixed slots of 2,048: chat "
+             "requests, a burst, one long request beside a full batch"),
+    "ready": ("ready_bench", "dmtd serve as a new user starts it: the first request's TTFT after it says it serves, "
+              "against the next ones'"),
+}
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from dmtd.bench.engine_bench import run_engine_bench
 
@@ -167,31 +180,12 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from dmtd.bench.kernel_bench import run_kernel_bench
+def cmd_bench_in_process(args: argparse.Namespace) -> int:
+    """``dmtd bench kernels|prefix|pool|ready`` (ENGINE_BENCHES)."""
+    import importlib
 
-    run_kernel_bench(args)
-    return 0
-
-
-def cmd_bench_prefix(args: argparse.Namespace) -> int:
-    from dmtd.bench.prefix_bench import run_prefix_bench
-
-    run_prefix_bench(args)
-    return 0
-
-
-def cmd_bench_pool(args: argparse.Namespace) -> int:
-    from dmtd.bench.pool_bench import run_pool_bench
-
-    run_pool_bench(args)
-    return 0
-
-
-def cmd_bench_ready(args: argparse.Namespace) -> int:
-    from dmtd.bench.ready_bench import run_ready_bench
-
-    run_ready_bench(args)
+    module = ENGINE_BENCHES[args.bench][0]
+    getattr(importlib.import_module(f"dmtd.bench.{module}"), f"run_{module}")(args)
     return 0
 
 
@@ -254,29 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_bench_args(be)
     be.set_defaults(func=cmd_bench_engine)
-    bk = bsub.add_parser("kernels", help="bf16 products by rows on every kernel path of this CPU, beside torch's")
-    from dmtd.bench.kernel_bench import add_kernel_bench_args
+    import importlib
 
-    add_kernel_bench_args(bk)
-    bk.set_defaults(func=cmd_bench_kernels)
-    bp = bsub.add_parser("prefix", help="the engine with and without the prefix cache (shared system prompts), and "
-                         "a stream's ITL while a long prompt arrives, chunked and whole")
-    from dmtd.bench.prefix_bench import add_prefix_bench_args
-
-    add_prefix_bench_args(bp)
-    bp.set_defaults(func=cmd_bench_prefix)
-    bpo = bsub.add_parser("pool", help="the paged KV pool (64 sequences, 8,192 context) beside 16 fixed slots of "
-                          "2,048: chat requests, a burst, one long request beside a full batch")
-    from dmtd.bench.pool_bench import add_pool_bench_args
-
-    add_pool_bench_args(bpo)
-    bpo.set_defaults(func=cmd_bench_pool)
-    brd = bsub.add_parser("ready", help="dmtd serve as a new user starts it: the first request's TTFT after it says "
-                          "it serves, against the next ones'")
-    from dmtd.bench.ready_bench import add_ready_bench_args
-
-    add_ready_bench_args(brd)
-    brd.set_defaults(func=cmd_bench_ready)
+    for name, (module, help_) in ENGINE_BENCHES.items():
+        bp = bsub.add_parser(name, help=help_)
+        getattr(importlib.import_module(f"dmtd.bench.{module}"), f"add_{module}_args")(bp)
+        bp.set_defaults(func=cmd_bench_in_process)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
     from dmtd.serve.bench import add_bench_serve_args
