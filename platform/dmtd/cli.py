@@ -163,6 +163,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # the in-process benches: name → (module, help); each module dmtd.bench.<stem>_bench has add_<stem>_bench_args and
 # run_<stem>_bench
 ENGINE_BENCHES = {
+    "exact": ("chats_bench", "the exact profile on chat prompts against τ = 1, configurations side by side (adaptive, "
+              "fixed, without context or phrase-table drafts), tokens checked equal"),
     "kernels": ("kernel_bench", "bf16 products by rows on every kernel path of this CPU, beside torch's"),
     "prefix": ("prefix_bench", "the engine with and without the prefix cache (shared system prompts), and a stream's "
                "ITL while a long prompt arrives, chunked and whole"),
@@ -181,7 +183,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_in_process(args: argparse.Namespace) -> int:
-    """``dmtd bench kernels|prefix|pool|ready`` (ENGINE_BENCHES)."""
+    """``dmtd bench exact|kernels|prefix|pool|ready`` (ENGINE_BENCHES)."""
     import importlib
 
     module = ENGINE_BENCHES[args.bench][0]

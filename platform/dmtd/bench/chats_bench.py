@@ -1,9 +1,9 @@
-"""The exact profile on the eight chat prompts of `dmtd bench engine` (none of them in the training corpus), or those of
-``--chat-file``: per
-prompt, the τ = 1 run and each configuration on one engine, greedy, up to 96 new tokens (EOS ends a request, as in
-`dmtd generate`); prints speed ÷ τ = 1, drafts accepted / made, and checks that the tokens equal τ = 1's.
+"""``dmtd bench exact``: the exact profile on the eight chat prompts of `dmtd bench engine` (none of them in the
+training corpus), or those of ``--chat-file``: per prompt, the τ = 1 run and each configuration on one engine,
+greedy, up to 96 new tokens (EOS ends a request, as in `dmtd generate`); prints speed ÷ τ = 1, drafts accepted /
+made, and checks that the tokens equal τ = 1's.
 
-    .venv/bin/python scripts/exact_chats.py --configs a3:0,f2:0 --dtype bfloat16 --draft-quants auto,none
+    .venv/bin/dmtd bench exact --configs a3:0,f2:0 --dtype bfloat16 --draft-quants auto,none
 
 A configuration is ``<a|s|t|n|f><tau>:<draft threshold>``: ``a`` adaptive drafts (the default of `dmtd generate`),
 ``s`` adaptive with the drafts scoring the draft vocabulary alone (``EngineConfig.context_vocab`` off: not the
@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 
 from dmtd.bench.exact_bench import CHATS
-from dmtd.cli import SHIPPED_VARIANTS
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.sequence import SamplingParams
 from dmtd.variants.build import build_engine, engine_spec
+from dmtd.variants.paths import SHIPPED_VARIANTS
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_chats_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--configs", default="a3:0,f2:0")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--draft-quants", default="auto", help="drafts' weights, side by side: auto, none, int8")
@@ -45,7 +44,9 @@ def main() -> None:
                     "corpora/short-chats-val.txt: a validation set to choose settings by, the demo's prompts a test)")
     ap.add_argument("--json", default=None, help="write per-prompt results here")
     ap.add_argument("--png", default=None, help="plot per-prompt speedups (mean over rounds) here")
-    args = ap.parse_args()
+
+
+def run_chats_bench(args: argparse.Namespace) -> None:
     torch.set_num_threads(2)
     prompts = [ln.strip() for ln in Path(args.chat_file).read_text().splitlines() if ln.strip()] if args.chat_file \
         else list(CHATS)
@@ -102,7 +103,8 @@ def main() -> None:
         passes = {k: int(v[0]) for k, v in engines[key].pass_stats.items()}
         print(f"{name}: passes (warm-up included) " + ", ".join(f"{k} {n}" for k, n in sorted(passes.items())))
     if args.json:
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "command": vars(args), "runs": runs}, indent=1))
+        command = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "command": command, "runs": runs}, indent=1))
         print(f"wrote {args.json}")
     if args.png:
         plot(runs, [c[0] for c in configs], prompts, args.png)
@@ -132,6 +134,3 @@ def plot(runs: list[dict], names: list[str], prompts: list[str], path: str) -> N
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-if __name__ == "__main__":
-    main()
