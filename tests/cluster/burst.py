@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class BurstRun:
     evaluations: list[Evaluation] = field(default_factory=list)
     provisioned: list[tuple[float, int]] = field(default_factory=list)  # (t, replicas asked for) at each change
     running: list[tuple[float, int]] = field(default_factory=list)  # (t, RUNNING replicas) sampled
+    wall_start: float = 0.0
 
     def slo_attainment(self, plan: BurstPlan) -> float:
         def met(r: StreamResult) -> bool:
@@ -105,7 +107,7 @@ class BurstRun:
 async def run_burst(cluster: RayCluster, plan: BurstPlan, spec: DMTDDeploymentSpec, prometheus_url: str,
                     registry_url: str, name: str, namespace: str, start: tuple[int, int]) -> BurstRun:
     """Drive the trace (Poisson arrivals at each second's rate) while the operator's loop runs every interval."""
-    run = BurstRun(provisioned=[(0.0, start[0])])
+    run = BurstRun(provisioned=[(0.0, start[0])], wall_start=time.time())
     target = f"{cluster.head.ip}:9000"
     t0 = time.monotonic()
     done = asyncio.Event()
@@ -152,7 +154,7 @@ async def run_burst(cluster: RayCluster, plan: BurstPlan, spec: DMTDDeploymentSp
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
-    n, p, limit = 0, rng.random(), pow(2.718281828459045, -lam)
+    n, p, limit = 0, rng.random(), math.exp(-lam)
     while p > limit:
         n += 1
         p *= rng.random()

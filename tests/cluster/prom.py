@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,12 @@ class PrometheusProcess:
     def api(self, path: str) -> Any:
         with urllib.request.urlopen(f"{self.url}/api/v1/{path}", timeout=10) as resp:
             return json.loads(resp.read())["data"]
+
+    def series(self, promql: str, start: float, end: float, step_s: float = 2) -> list[float]:
+        """The values of ``promql`` (one series) from ``start`` to ``end`` (epoch seconds)."""
+        q = urllib.parse.urlencode({"query": promql, "start": start, "end": end, "step": step_s})
+        result = self.api(f"query_range?{q}")["result"]
+        return [float(v) for _, v in result[0]["values"]] if result else []
 
     def target_health(self) -> dict[str, str]:
         """scrape URL → "up" / "down" of every active target."""

@@ -246,8 +246,14 @@ def test_burst_scaled_by_the_policy_from_prometheus(cluster: RayCluster, registr
     assert max(n for _, n in run.running) == 2  # and the cluster ran it
     failed = [(r.code, r.detail) for r in run.results if not r.ok or r.tokens != r.expected_tokens]
     assert not failed, failed[:3]
+    # the tau bounds decided reached the replicas (Serve's reconfigure with the new user_config), by their own
+    # gauge from 5 s after the first decision (tau 1; the cluster started at 4) on: 1, then 4 once widened
+    first = run.wall_start + run.evaluations[0].t_s + 5
+    assert run.evaluations[0].decision.tau_max == 1
+    tau_in_force = set(prometheus.series(f'max(dmtd_tau_max{{deployment="{NAME}"}})', first, time.time()))
+    assert {1.0, 4.0} <= tau_in_force, tau_in_force
     figures = {"requests": len(run.results), "slo_attainment": round(run.slo_attainment(plan), 3),
-               "replica_s": round(run.replica_s(plan.duration_s), 1),
+               "replica_s": round(run.replica_s(plan.duration_s), 1), "tau_max_in_force": sorted(tau_in_force),
                "running_replica_s": round(sum(n * 2 for _, n in run.running), 1),
                "decisions": [(round(e.t_s), e.decision.replicas, e.decision.tau_max,
                               None if e.window is None else round(e.window.requests_s, 2),
