@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from tests.cluster.redis_proc import terminate
+
 
 def scrape_config(namespace: str, deployment: str, targets: list[str], interval_s: float) -> dict[str, Any]:
     """The ServiceMonitor's one endpoint (helm/dmtd/templates/servicemonitor.yaml) as a plain scrape job."""
@@ -92,11 +94,6 @@ class PrometheusProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            terminate(self.proc, 10)
             self.proc = None
             self.log.close()

@@ -46,10 +46,15 @@ class RedisProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            terminate(self.proc, 5)
             self.proc = None
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -14,10 +14,11 @@ import redis
 from dmtd_contract.registry import RegistryClient, VariantSpec
 from tests.cluster import kubeplay as kp
 from tests.cluster.cluster import PodNetwork, podman
+from tests.images.chart import create_in, variants_active
+from tests.operator.dmtd_samples import DMTD_PATH
 from tests.operator.kube_emulator import KubeEmulator
 
 REDIS_IMAGE = ("redis.image.repository=localhost/dmtd/redis", "redis.image.tag=7-bookworm")
-CR_PATH = "/apis/serving.dmtd.dev/v1alpha1/namespaces/default/dmtddeployments"
 
 
 def wait(check: Callable[[], object], timeout_s: float, what: str) -> float:
@@ -67,18 +68,9 @@ def test_chart_pods_start_with_charted_settings_and_reach_kmock_and_redis(networ
             kp.play([*configmaps, kp.configmap("kmock-kubeconfig", "dmtd", {"config": kubeconfig}),
                   kp.with_cluster_services(dep, {redis_service: redis_ip}, "kmock-kubeconfig")],
                  operator_yaml, network.name, operator_ip)
-            body = dict(cr, metadata={**cr["metadata"], "namespace": "default", "uid": "uid-smollm2",
-                                      "resourceVersion": "1", "generation": 1})
             t0 = time.monotonic()
-            assert k8s.request("POST", CR_PATH, body)[0] in (200, 201)
-            name = cr["metadata"]["name"]
-            rs = k8s.wait_for(lambda: k8s.objects("ray.io/v1/rayservices").get(f"{name}-ray"), timeout_s=90)
-
-            def activated() -> bool:
-                with RegistryClient(url) as reg:
-                    return all(reg.get(v["name"]).status == "active" for v in cr["spec"]["variants"])
-
-            wait(activated, 60, "the operator's registry writes")
+            rs = create_in(k8s, cr, DMTD_PATH)
+            k8s.wait_for(lambda: variants_active(url, cr), timeout_s=60)
             reconciled_s = time.monotonic() - t0
             redis_c = containers_of(redis_pod)["redis"]
             operator_pod = podman("pod", "ps", "--filter", f"name={dep['metadata']['name']}", "--format",

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from dmtd_contract.registry import RegistryClient, VariantSpec
-from tests.images.chart import default_deployment, operator_container, render_default
+from tests.images.chart import create_in, default_deployment, operator_container, render_default, variants_active
 from tests.images.podman import Container, run_in
 from tests.operator.dmtd_samples import DMTD_PATH
 from tests.operator.kube_emulator import KubeEmulator
@@ -79,17 +79,9 @@ def test_the_image_reconciles_and_publishes_with_the_charts_defaults(
         container = Container(operator_image, args, chart["args"]).start()
         try:
             started = time.monotonic()
-            body = dict(cr, metadata={**cr["metadata"], "namespace": "default", "uid": "uid-smollm2",
-                                      "resourceVersion": "1", "generation": 1})
-            assert k8s.request("POST", DMTD_PATH, body)[0] in (200, 201)
+            rs = create_in(k8s, cr, DMTD_PATH)
             name = cr["metadata"]["name"]
-            rs = k8s.wait_for(lambda: k8s.objects("ray.io/v1/rayservices").get(f"{name}-ray"), timeout_s=60)
-
-            def published() -> bool:
-                with RegistryClient(url) as reg:
-                    return all(reg.get(v["name"]).status == "active" for v in cr["spec"]["variants"])
-
-            k8s.wait_for(published, timeout_s=30)
+            k8s.wait_for(lambda: variants_active(url, cr), timeout_s=30)
             took = time.monotonic() - started
             mirror = json.loads(k8s.wait_for(lambda: k8s.objects("v1/configmaps").get(f"{name}-registry"))
                                 ["data"]["entry.json"])
