@@ -182,6 +182,22 @@ class Gateway:
                 all_up = all(self.telemetry.replicas_ready.get(v, 0) > 0 for v in self.replica_deployments)
             await asyncio.sleep(period_s if all_up else start_period_s)
 
+    async def warm(self, max_new_tokens: int = 2) -> dict[str, float]:
+        """One short chat request per served variant through the gateway's own path (routing, the Serve handle's
+        first call, the block channel, the replica's stream), so that a first client request does not pay them
+        (``dmtd serve`` runs it before it says it serves); returns each variant's seconds."""
+        from dmtd_contract.records import ReplicaRequest
+
+        out = {}
+        for name, route in list(self.core.router.routes.items()):
+            t = time.perf_counter()
+            req = ReplicaRequest(request_id=f"warm-{uuid.uuid4().hex[:12]}", prompt=None,
+                                 messages=[{"role": "user", "content": "Hello!"}], max_new_tokens=max_new_tokens)
+            async for _ in self.core.stream(route, req):
+                pass
+            out[name] = time.perf_counter() - t
+        return out
+
     async def info(self) -> dict[str, Any]:
         sink = self.sink
         return {"grpc_port": self.grpc_port, "pid": os.getpid(), "inflight": self.core.inflight,
