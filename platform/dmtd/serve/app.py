@@ -27,6 +27,9 @@ from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.serve.settings import (
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_SEQS,
     block_push,
     context_drafts_setting,
     drafts_setting,
@@ -55,11 +58,11 @@ class EngineFactory:
     variant: str = "none"
     model: str | None = None
     decoding_layers: int | None = None
-    max_num_seqs: int = 64
-    max_model_len: int = 8192
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # the KV pool (dmtd.engine.kv_pages): positions shared by every sequence (default: 16 × 2,048, what 16 fixed
     # slots held before pages; never more than every sequence at max_model_len), or GiB of memory
-    kv_cache_tokens: int | None = 32768
+    kv_cache_tokens: int | None = DEFAULT_KV_CACHE_TOKENS
     kv_cache_gib: float | None = None
     itl_slo_ms: float = 50.0
     tau_max: int | None = None
@@ -358,9 +361,9 @@ def build_app(args: dict[str, Any]) -> Any:
     for i, v in enumerate(variants):
         factory = EngineFactory(variant=v.get("variant", v["name"]), model=v.get("model") or v.get("model_uri"),
                                 decoding_layers=v.get("decoding_layers"),
-                                max_num_seqs=int(args.get("max_num_seqs") or 64),
-                                max_model_len=int(args.get("max_model_len") or 8192),
-                                kv_cache_tokens=int(args.get("kv_cache_tokens") or 32768),
+                                max_num_seqs=int(args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS),
+                                max_model_len=int(args.get("max_model_len") or DEFAULT_MAX_MODEL_LEN),
+                                kv_cache_tokens=int(args.get("kv_cache_tokens") or DEFAULT_KV_CACHE_TOKENS),
                                 kv_cache_gib=args.get("kv_cache_gib"),
                                 itl_slo_ms=float(args.get("itl_slo_ms", 50.0)), tau_max=v.get("tau_max"),
                                 torch_threads=int(args.get("torch_threads", 0)) or shared_threads,
@@ -371,7 +374,7 @@ def build_app(args: dict[str, Any]) -> Any:
         from dmtd.serve.replica import DMTDReplica
 
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v['name']}"
-        max_ongoing = int(args.get("max_num_seqs") or 64) + int(args.get("max_queued", 64)) + 8
+        max_ongoing = int(args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS) + int(args.get("max_queued", 64)) + 8
         replicas = int(v.get("replicas", args.get("replicas", 1)))
         replica_actor: dict[str, Any] = {"num_cpus": float(args.get("replica_num_cpus", 1))}
         if replica_env:

@@ -13,6 +13,7 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from dmtd.serve.binding import HOST_ENV
+from dmtd.serve.settings import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 
 READY_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 
@@ -50,9 +51,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "with AVX-512 or AVX2)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
-    p.add_argument("--max-model-len", type=int, default=8192, help="a sequence's positions at most (prompt + answer)")
-    p.add_argument("--kv-cache-tokens", type=int, default=32768,
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="sequences a replica runs at once")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                   help="a sequence's positions at most (prompt + answer)")
+    p.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS,
                    help="positions of a replica's KV pool, shared by its sequences in pages of 16 (default: what 16 "
                    "sequences of 2,048 held)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="size the KV pool by memory instead")
@@ -214,7 +216,7 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
                       "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
                       "quant": getattr(args, "quant", None)}],
         "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
-        "max_model_len": getattr(args, "max_model_len", 8192),
+        "max_model_len": getattr(args, "max_model_len", DEFAULT_MAX_MODEL_LEN),
         "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
         "kv_cache_gib": getattr(args, "kv_cache_gib", None),
         "routing": getattr(args, "routing", "prefix"),

@@ -54,6 +54,13 @@ def replica_process_env(args: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+# a replica's engine: sequences at once, a sequence's positions at most, and its KV pool's positions (the bytes
+# that 16 fixed slots of 2,048 positions held before pages); ``dmtd serve``, ``build_app`` and ``EngineFactory``
+# take these
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_KV_CACHE_TOKENS = 32768
+
 DEFAULT_STREAM_INTERVAL_MS = 40.0
 
 

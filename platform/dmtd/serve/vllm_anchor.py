@@ -260,7 +260,7 @@ def start_ours(args: argparse.Namespace, variant: str, max_conc: int) -> tuple[d
     ns = p.parse_args([])
     ns.host, ns.grpc_port, ns.http_port, ns.metrics_port = "127.0.0.1", free_port(), free_port(), free_port()
     ns.model, ns.decoding_layers = args.model, args.decoding_layers
-    ns.max_num_seqs = max(ns.max_num_seqs, max_conc)  # the default (16) unless a concurrency needs more slots
+    ns.max_num_seqs = max(ns.max_num_seqs, max_conc)  # the default (64) unless a concurrency needs more
     info = start_stack(ns, variant)
     dtype, quant = variant_precision(variant, ns.dtype, ns.quant, "cpu")
     settings = {k: v for k, v in vars(ns).items() if k not in ("demo", "api_keys_file", "tls_cert", "tls_key")}
