@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -42,33 +43,39 @@ def _engine(args: argparse.Namespace, **cfg: Any) -> Any:
 
 
 def run_closed(engine: Any, prompts: list[Any], concurrency: int, max_new: int, desc: str) -> dict[str, Any]:
-    """``prompts`` through ``engine``, ``concurrency`` in flight: output tok/s, how many finished, the peak of
-    sequences running and of pages in use, the preemptions."""
+    """``prompts`` through ``engine``, ``concurrency`` in flight: output tok/s, TTFT (from the request's add to its
+    first token), how many finished, the peak of sequences running and of pages in use, the preemptions."""
     from dmtd.engine.sequence import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, exact=True)
     todo, tokens, done, peak_running = list(prompts), 0, 0, 0
-    live: set[str] = set()
+    live: dict[str, float] = {}  # in flight → when it was added
+    ttft: list[float] = []
     sch = engine.scheduler
     sch.pages.peak_used, preempted0 = sch.pages.num_used, sch.num_preempted
     t0 = time.perf_counter()
     with tqdm(total=len(prompts), desc=desc, leave=False) as bar:
         while todo or live:
             while todo and len(live) < concurrency:
-                live.add(engine.add_request(todo.pop(0), params))
+                live[engine.add_request(todo.pop(0), params)] = time.perf_counter()
             outs = engine.step()
             peak_running = max(peak_running, len(sch.running))
             for o in outs:
                 if o.req_id not in live:
                     continue
                 tokens += len(o.block or [])
+                if o.token_id >= 0 and live[o.req_id] > 0:
+                    ttft.append(time.perf_counter() - live[o.req_id])
+                    live[o.req_id] = 0.0
                 if o.finished:
-                    live.discard(o.req_id)
+                    live.pop(o.req_id)
                     done += o.finish_reason in ("stop", "length")
                     engine.release(o.req_id)
                     bar.update()
     wall = time.perf_counter() - t0
+    ttft.sort()
     return {"requests": len(prompts), "finished": done, "output_tok_s": tokens / wall, "wall_s": wall,
+            "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
             "peak_running": peak_running, "peak_pages": sch.pages.peak_used, "pages": sch.pages.num_pages,
             "preempted": sch.num_preempted - preempted0}
 
@@ -105,10 +112,12 @@ def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
           f"{result['pool_bytes']['16 slots'] / mib:.0f} MiB")
     print(f"\n{args.requests} chat requests at c={args.concurrency}, {args.max_new_tokens} new tokens, exact profile, "
           f"{args.dtype}")
-    print(f"{'':>22} {'tok/s':>7} {'finished':>9} {'peak running':>13} {'peak pages':>11} {'preempted':>10}")
+    print(f"{'':>22} {'tok/s':>7} {'TTFT mean':>10} {'p50':>7} {'finished':>9} {'peak running':>13} "
+          f"{'peak pages':>11} {'preempted':>10}")
     for name, row in [*rows.items(), (f"burst of {args.burst}", result["burst"]),
                       (f"{n_long} tok + {args.concurrency - 1}", result["long"])]:
-        print(f"{name:>22} {row['output_tok_s']:>7.1f} {row['finished']:>4}/{row['requests']:<4} "
+        print(f"{name:>22} {row['output_tok_s']:>7.1f} {row['ttft_mean_ms']:>8.0f}ms {row['ttft_p50_ms']:>5.0f}ms "
+              f"{row['finished']:>4}/{row['requests']:<4} "
               f"{row['peak_running']:>13} {row['peak_pages']:>5}/{row['pages']:<5} {row['preempted']:>10}")
     a, b = rows["paged, 64 sequences"], rows["16 slots × 2,048"]
     print(f"\npaged / slots: {a['output_tok_s'] / b['output_tok_s']:.2f}× output tok/s")
