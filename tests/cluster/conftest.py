@@ -91,7 +91,9 @@ def prometheus(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) ->
     targets = [f"{n.ip}:{r.METRICS_PORT}" for n in [cluster.head, *cluster.workers]]
     proc = PrometheusProcess(cluster.network.gateway, PROMETHEUS_PORT, tmp_path_factory.mktemp("prometheus"),
                              scrape_config(NAMESPACE, NAME, targets, interval_s=2)).start()
-    # a worker pod exports metrics only while a replica runs on it (the gateway's are on the head)
-    proc.wait_targets_up(1 + len(cluster.running_replicas("DMTDReplica")), timeout_s=30)
-    yield proc
-    proc.stop()
+    try:
+        # a worker pod exports metrics only while a replica runs on it (the gateway's are on the head)
+        proc.wait_targets_up(1 + len(cluster.running_replicas("DMTDReplica")), timeout_s=30)
+        yield proc
+    finally:
+        proc.stop()

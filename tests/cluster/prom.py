@@ -64,6 +64,7 @@ class PrometheusProcess:
             except OSError:
                 pass
             if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"prometheus did not start: {(self.workdir / 'prometheus.log').read_text()[-2000:]}")
             time.sleep(0.3)
 

@@ -90,7 +90,8 @@ def test_chart_pods_start_with_charted_settings_and_reach_kmock_and_redis(networ
         finally:
             kp.down(operator_yaml)
             kp.down(redis_yaml)
-            podman("volume", "rm", "-f", f"data-{redis_pod}", check=False)
+            for volume in (f"data-{redis_pod}", "kmock-kubeconfig"):  # the PVC's and the ConfigMap's
+                podman("volume", "rm", "-f", volume, check=False)
     charted = {c["name"]: c for c in [*sts["spec"]["template"]["spec"]["containers"],
                                       *dep["spec"]["template"]["spec"]["containers"]]}
     for cname, info in (("redis", redis_c), ("operator", operator_c)):
