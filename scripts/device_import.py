@@ -8,7 +8,7 @@ like any variant (``--variant DIR``); compare it with the shipped one before rep
     .venv/bin/python scripts/device_import.py RESULTS candidates/smollm2-gpu-1
     .venv/bin/python scripts/heldout_agreement.py 64 platform/dmtd/variants/shipped/smollm2-135m-dmtd \\
         candidates/smollm2-gpu-1
-    .venv/bin/python scripts/exact_chats.py --configs a3:0 --variants smollm2-135m-dmtd,candidates/smollm2-gpu-1
+    .venv/bin/dmtd bench exact --configs a3:0 --variants smollm2-135m-dmtd,candidates/smollm2-gpu-1
 """
 
 from __future__ import annotations
