@@ -1,0 +1,129 @@
+"""Layer groups of the exact profile in one call: the draft path's layers (``dmtd::draft_layers``) and decode rows
+(``dmtd::rows_layers``) on packed weights compute what the layer loop computes, and int8 drafts keep the output the
+verifier's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmtd.engine.config import DMTDConfig
+from dmtd.engine.llm import LLMEngine
+from dmtd.engine.sequence import SamplingParams
+from dmtd.engine.verifier import Verifier
+from tests.conftest import tiny_engine, tiny_model
+from tests.engine.test_exact import DMTD, base_model, prompts_of, variant_of
+
+
+def _packed_draft_runner(seed: int, num_seqs: int, g: torch.Generator):
+    """A tiny exact-profile runner with int8 (i8dot) draft weights (E = 1, D = 2) and random KV; returns it, its
+    config, its model, and a function that puts that KV back."""
+    from dmtd.engine.config import EngineConfig
+
+    dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
+    model = tiny_model(seed=seed)
+    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=num_seqs, max_model_len=64, draft_quant="int8"),
+                    default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
+    r = eng.runner
+    r.enable_exact()
+    for slot in range(num_seqs):  # each cache row its own pages, in order (row 0: pages 0 ..), as the scheduler gives
+        assert r.cache.pages.grow(slot, 64)
+    for k, v in r.kv:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
+
+    def reset() -> None:
+        for (k, v), (k0, v0) in zip(r.kv, kv0):
+            k.copy_(k0)
+            v.copy_(v0)
+
+    return r, dmtd, model, reset
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights(rows):
+    """Drafts of one sequence run each layer group in one call (dmtd::draft_layers) on int8 draft weights: the
+    same values, and the same KV written, as the layer loop over those weights (E = 1 encoding layer, D = 2)."""
+    g = torch.Generator().manual_seed(0)
+    r, dmtd, model, reset = _packed_draft_runner(7, 2, g)
+    assert r.draft_format == "i8dot" and r._fused is not None
+    h = torch.randn(rows, 64, generator=g)
+    last, slot = 11, 1
+
+    for start, end in ((0, dmtd.thinking_start), (dmtd.decoding_start, dmtd.num_layers)):
+        reset()
+        fused = r._draft_stack(h, start, end, slot, last)
+        kv_fused = [(k.clone(), v.clone()) for k, v in r.kv]
+        reset()
+        ctx = r._context([slot], torch.arange(last - rows + 1, last + 1)[None], None)
+        model.fused_layers = False  # the TorchScript layer loop
+        with torch.inference_mode():
+            loop = model.run_layers(h[None], start, end, ctx.cos, ctx.sin, r.kv, ctx, r.draft_weights)[0]
+        model.fused_layers = True
+        torch.testing.assert_close(fused, loop, rtol=1e-4, atol=1e-5)
+        for (k, v), (kf, vf) in zip(r.kv, kv_fused):
+            torch.testing.assert_close(kf, k, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(fused, h)
+
+
+def test_rows_layers_compute_the_layer_loop_for_batches_chunks_and_padding():
+    """Decode rows of packed weights run a layer group in one call (dmtd::rows_layers): a batch of one position a
+    slot, a chunk of one slot's consecutive positions, and right-aligned rows with padding (a check of two
+    sequences with different draft counts) get the values and the KV the layer loop computes, padding is written
+    nowhere, and a row gets the same bits alone as beside others."""
+    g = torch.Generator().manual_seed(1)
+    r, dmtd, model, reset = _packed_draft_runner(3, 3, g)
+    assert model.fused_layers
+    kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
+    # the op, not a fallback: the decoding group's packed weights and float32 KV qualify
+    assert model.rows_args(r.draft_weights, r.kv, dmtd.decoding_start, dmtd.num_layers) is not None
+
+    def run(slots, pos, valid, h, fused):
+        reset()
+        model.fused_layers = fused
+        ctx = r._context(slots, pos, valid)
+        with torch.inference_mode():
+            out = model.run_layers(h, dmtd.decoding_start, dmtd.num_layers, ctx.cos, ctx.sin, r.kv, ctx,
+                                   r.draft_weights)
+        model.fused_layers = True
+        return out, [(k.clone(), v.clone()) for k, v in r.kv]
+
+    cases = [([0, 2], torch.tensor([[7], [12]]), None),
+             ([1], torch.tensor([[9, 10, 11]]), None),
+             ([2, 0], torch.tensor([[4, 5, 6], [0, 9, 10]]), torch.tensor([[True] * 3, [False, True, True]]))]
+    for slots, pos, valid in cases:
+        h = torch.randn(*pos.shape, 64, generator=g)
+        fused, kv_fused = run(slots, pos, valid, h, True)
+        loop, kv_loop = run(slots, pos, valid, h, False)
+        keep = torch.ones(pos.shape, dtype=torch.bool) if valid is None else valid
+        torch.testing.assert_close(fused[keep], loop[keep], rtol=1e-4, atol=1e-5)
+        for (k, v), (kf, vf) in zip(kv_loop, kv_fused):
+            torch.testing.assert_close(kf, k, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(vf, v, rtol=1e-5, atol=1e-6)
+        if valid is not None:  # the padding entry (slot 0, position 0) keeps the KV it had
+            assert all(torch.equal(kf[0, :, 0], k0[0, :, 0]) for (kf, _), (k0, _) in zip(kv_fused, kv0))
+    # a row alone: the same bits as beside the others
+    slots, pos = [0, 2], torch.tensor([[7], [12]])
+    h = torch.randn(2, 1, 64, generator=g)
+    both, _ = run(slots, pos, None, h, True)
+    alone, _ = run(slots[1:], pos[1:], None, h[1:], True)
+    assert torch.equal(both[1], alone[0])
+
+
+@pytest.mark.parametrize("draft_quant", ["int8", "none"])
+def test_int8_drafts_keep_the_output_the_verifiers(draft_quant):
+    base = base_model(4, 0.3)
+    var, verifier = variant_of(base, 0.02, 4)
+    prompts = prompts_of([5, 9, 3], 4)
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=1))
+    from dmtd.engine.config import EngineConfig
+
+    eng = LLMEngine(var, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256, draft_quant=draft_quant),
+                    default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    for batch in (prompts, prompts[:1]):  # a batch (the layer loop) and one sequence (the fused call)
+        got = eng.generate(batch, SamplingParams(max_new_tokens=24, cycle_len=3, exact=True))
+        assert [x.token_ids for x in got] == [x.token_ids for x in ref[: len(batch)]]
+        assert sum(x.num_accepted for x in got) > 0
+    assert eng.runner.draft_format == ("i8dot" if draft_quant == "int8" else None)
