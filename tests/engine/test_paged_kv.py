@@ -66,6 +66,7 @@ def test_tokens_are_the_same_whatever_the_pool_and_however_often_sequences_are_p
     assert sch.pages.peak_used <= sch.pages.num_pages
     assert not sch.running and not sch.waiting and sch.num_free_slots == 5
     assert sch.pages.num_used == 0  # no row holds a page: what is not free is cached prompts
+    assert sch.pages.num_evictable == len(sch.pages.cached) == sch.pages.num_pages - sch.pages.num_free
 
 
 @pytest.mark.parametrize("exact", [True, False])

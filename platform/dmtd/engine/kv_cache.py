@@ -106,11 +106,6 @@ class KVCache:
         if self.stash is not None:
             self.stash[d] = self.stash[s]
 
-    def gather(self, cache: torch.Tensor, rows: torch.Tensor, read_len: int) -> torch.Tensor:
-        """Keys (or values) of ``rows`` at positions ``0 .. read_len - 1`` as ``[len(rows), nkv, read_len, hd]`` (the
-        torch attention paths; the kernels walk the pages themselves)."""
-        return gather_pages(cache, self.table, rows, read_len)
-
     @property
     def nbytes(self) -> int:
         bufs = [t for kv in self.layers + (self.verify_layers or []) for t in kv] + [self.pending, self.table]

@@ -32,6 +32,7 @@ class KVPages:
     held: list[int] = field(default_factory=list)  # rows holding each page
     cached: set[int] = field(default_factory=set)  # pages the prefix cache publishes
     dirty: set[int] = field(default_factory=set)  # rows whose list changed since the runner last copied it
+    num_evictable: int = 0  # cached pages no row holds (free for the taking, their chunks dropped)
     peak_used: int = 0
     # called when too few pages are free: drops one cached chunk no row holds and returns its pages (none: nothing)
     evictor: Callable[[list[int]], list[int]] | None = None
@@ -49,11 +50,6 @@ class KVPages:
     def num_used(self) -> int:
         """Pages some row holds."""
         return self.num_pages - len(self.free) - self.num_evictable
-
-    @property
-    def num_evictable(self) -> int:
-        """Cached pages no row holds (free for the taking, their chunks dropped)."""
-        return sum(1 for p in self.cached if not self.held[p])
 
     def missing(self, row: int, positions: int) -> int:
         """Pages ``row`` lacks to hold positions ``0 .. positions - 1``."""
@@ -81,6 +77,8 @@ class KVPages:
     def share(self, row: int, pages: list[int]) -> None:
         """Append ``pages`` (published prompt chunks) to ``row``'s list, held by it too."""
         for p in pages:
+            if not self.held[p] and p in self.cached:
+                self.num_evictable -= 1
             self.held[p] += 1
         self.tables[row].extend(pages)
         self.dirty.add(row)
@@ -94,19 +92,27 @@ class KVPages:
             return
         for p in reversed(table[keep:]):
             self.held[p] -= 1
-            if not self.held[p] and p not in self.cached:
-                self.free.append(p)
+            if not self.held[p]:
+                if p in self.cached:
+                    self.num_evictable += 1
+                else:
+                    self.free.append(p)
         del table[keep:]
         self.dirty.add(row)
 
     def cache(self, pages: list[int]) -> None:
-        self.cached.update(pages)
+        for p in pages:
+            if p not in self.cached:
+                self.cached.add(p)
+                self.num_evictable += not self.held[p]
 
     def uncache(self, pages: list[int]) -> None:
         for p in pages:
-            self.cached.discard(p)
-            if not self.held[p]:
-                self.free.append(p)
+            if p in self.cached:
+                self.cached.discard(p)
+                if not self.held[p]:
+                    self.num_evictable -= 1
+                    self.free.append(p)
 
     def take_dirty(self) -> list[int]:
         rows = sorted(self.dirty)
