@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare what scripts/device_train.sh needs on a lent GPU machine, which reaches no package index and takes at
+# Prepare what scripts/device_train.sh and scripts/device_engine.sh need on a lent GPU machine, which reaches no package index and takes at
 # most 64 MiB a call (the working tree included): a tar of the wheels the training code imports beside the image's
 # torch (pydantic and its parts, gguf) and the base's GGUF (xz), cut into parts that each travel with one call.
 #   bash scripts/device_payload.sh [PARTS]      # default 3; prints the SHA-256 and the calls to make
@@ -16,7 +16,8 @@ ver() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$w" \
   "pydantic==$(ver pydantic)" "pydantic_core==$(ver pydantic_core)" "annotated-types==$(ver annotated-types)" \
-  "typing-inspection==$(ver typing-inspection)" "typing_extensions==$(ver typing_extensions)" "gguf==$(ver gguf)"
+  "typing-inspection==$(ver typing-inspection)" "typing_extensions==$(ver typing_extensions)" "gguf==$(ver gguf)" \
+  "redis==$(ver redis)"
 g=$("$py" -c "from dmtd.variants.smollm2 import gguf_path; print(gguf_path())")
 xz -T2 -6 -c "$g" > "$w/gguf.xz"
 (cd "$w" && tar cf payload.tar $(ls *.whl) gguf.xz)   # wheels first: the first part alone unpacks them

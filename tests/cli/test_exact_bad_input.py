@@ -14,3 +14,9 @@ def test_bench_engine_refuses_a_draft_threshold_out_of_range(value, capsys):
     err = capsys.readouterr()
     assert f"--draft-threshold: must be in [0, 1], got {float(value)}" in err.err
     assert "measuring" not in err.out  # refused before the bandwidth measurement starts
+
+
+def test_bench_engine_on_a_gpu_refuses_the_cpu_only_rows(capsys):
+    """HF generate and llama.cpp rows run on the CPU: --device cuda with them is refused before any load."""
+    assert main(["bench", "engine", "--device", "cuda", "--model", "/nonexistent/model"]) == 2
+    assert "--device: cuda: the HF and llama.cpp rows run on the CPU only" in capsys.readouterr().err

@@ -125,3 +125,19 @@ def test_missing_tensor_and_unsupported_family(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="model_type"):
         load_model(path, tokenizer=False)
+
+
+@pytest.mark.slow
+def test_conversion_gives_the_tokenizer_the_models_eos(smollm2):
+    """transformers 5.17 read the GGUF's EOS as <|im_start|>; conversion takes the config's ids instead."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dmtd.variants.smollm2 import align_special_tokens
+
+    config = AutoConfig.from_pretrained(str(smollm2.path))
+    tok = AutoTokenizer.from_pretrained(str(smollm2.path))
+    tok.eos_token, tok.bos_token = tok.bos_token, tok.eos_token  # what 5.17's GGUF reader gave, and worse
+    assert tok.eos_token_id != config.eos_token_id
+    align_special_tokens(tok, config)
+    assert (tok.eos_token_id, tok.bos_token_id) == (config.eos_token_id, config.bos_token_id)
+    assert tok.eos_token_id in smollm2.config.eos_token_ids

@@ -36,5 +36,7 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quants", default="auto",
                    help="exact rows: the drafts' weights, side by side (comma list of auto, none, int8; "
                    "int8: int8 x int8 dot products, AVX512-VNNI or AVX2)")
+    p.add_argument("--device", default="cpu",
+                   help="where the engine runs: cpu or cuda (cuda: no roofline bounds, no HF or llama.cpp rows)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot path (default: next to --json)")

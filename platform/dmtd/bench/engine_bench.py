@@ -89,16 +89,23 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     precisions = pb.parse_precisions(args.precisions)
     if "float32" not in precisions:
         precisions = ["float32", *precisions]  # the reference every ratio and quality figure is taken against
+    device = getattr(args, "device", "cpu")
+    on_cpu = torch.device(device).type == "cpu"
+    if not on_cpu and (args.llama_cpp or not args.no_hf):
+        raise RequestError("--device", f"{device}: the HF and llama.cpp rows run on the CPU only; add --no-hf "
+                           "and leave out --llama-cpp")
     llm = pb.llama_cpp_model(torch.get_num_threads(), args.prompt_len + args.new_tokens + 512) if args.llama_cpp \
         else None
     torch.manual_seed(0)
-    print("measuring this machine's memory bandwidth and matmul throughput ...")
-    rates = measure_rates()
-    print(f"  copy {rates.copy_gb_s:.1f} GB/s, batch-1 matvec {rates.matvec_gb_s:.1f} GB/s, "
-          f"fp32 matmul {rates.matmul_gflop_s:.0f} GFLOP/s")
-    streams = {p: pb.stream_gb_s(p) for p in precisions}
-    print("  weight streaming per format (GB/s): " + ", ".join(f"{p} {v:.1f}" for p, v in streams.items()))
-    if args.variant != "none" and args.exact_taus and lowbit.draft_format(
+    rates, streams = None, {}
+    if on_cpu:  # the roofline bounds are the CPU's (its memory bandwidth and matmul throughput)
+        print("measuring this machine's memory bandwidth and matmul throughput ...")
+        rates = measure_rates()
+        print(f"  copy {rates.copy_gb_s:.1f} GB/s, batch-1 matvec {rates.matvec_gb_s:.1f} GB/s, "
+              f"fp32 matmul {rates.matmul_gflop_s:.0f} GFLOP/s")
+        streams = {p: pb.stream_gb_s(p) for p in precisions}
+        print("  weight streaming per format (GB/s): " + ", ".join(f"{p} {v:.1f}" for p, v in streams.items()))
+    if on_cpu and args.variant != "none" and args.exact_taus and lowbit.draft_format(
             "int8" if "int8" in str(args.draft_quants).split(",") else "auto") is not None:
         streams["i8dot"] = pb.stream_gb_s("i8dot")  # the exact profile's drafts (EngineConfig.draft_quant)
         gw = {p: streams[p] / pb.WEIGHT_BYTES[p] for p in ("bfloat16", "i8dot") if p in streams}
@@ -113,7 +120,7 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
     for prec in precisions:
         engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
-                              max(taus + [1]))
+                              max(taus + [1]), device=device)
         if prec == "float32":
             judge, path = lm.model, lm.path
         cfg, dmtd = lm.config, engine.dmtd
@@ -123,7 +130,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         jobs = [(b, s) for b in batches for s in systems]
         for b, system in tqdm(jobs, desc=f"bench engine ({prec})", unit="config"):
             tau = 1 if system in ("hf", "engine") else int(system[4:])
-            bnd = pb.bound(cfg, dmtd if tau > 1 else None, tau, b, context, prec, rates, streams[prec])
+            bnd = pb.bound(cfg, dmtd if tau > 1 else None, tau, b, context, prec, rates, streams[prec]) \
+                if rates is not None else {"bound_tok_s": float("nan")}
             if system == "hf":
                 assert path is not None
                 r = {"tok_s": bench_hf(path, ids, b, args.new_tokens, args.repeats), "mean_block_len": 1.0}
@@ -136,7 +144,7 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
         del engine, lm
     if llm is not None:
-        assert judge is not None
+        assert judge is not None and rates is not None  # llama.cpp runs on the CPU only
         tok = load_model(args.model).tokenizer
         ids = prompt_ids(tok, args.prompt_len)
         print("llama.cpp (the package's GGUF) ...")
@@ -149,21 +157,25 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     prefill_rows = [r for r in rows if "prefill_tok_s" in r]
     rows = [r for r in rows if "prefill_tok_s" not in r]
     add_ratios(rows, batches)
-    exact_rows, variant = exact_section(args, batches)
     assert judge is not None
-    result = {
+    result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, **rates.to_dict(), "stream_gb_s": streams},
+                    "torch": torch.__version__, **(rates.to_dict() if rates is not None else {}),
+                    "stream_gb_s": streams, "device": device,
+                    "gpu": torch.cuda.get_device_name(torch.device(device)) if not on_cpu else None},
         "model": str(path), "num_layers": judge.config.num_layers, "decoding_layers": args.decoding_layers,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "precisions": precisions, "rows": rows,
         "quality": {"prompts": args.quality_prompts, "new_tokens": args.quality_tokens,
                     "by_precision": pb.quality_rows(quality, judge)},
-        "exact": {"variant": variant, "rows": exact_rows} if exact_rows else None,
+        "exact": None,
         "prefill": prefill_rows,
     }
-    print_table(result)
-    for r in prefill_rows:
-        print(f"prefill of {r['system'][7:]} tokens, {r['precision']}: {r['prefill_tok_s']:.0f} prompt tok/s")
+    print_table(result)  # before the exact rows, which load another model: a failure there keeps these figures
+    for pr in prefill_rows:
+        print(f"prefill of {pr['system'][7:]} tokens, {pr['precision']}: {pr['prefill_tok_s']:.0f} prompt tok/s")
+    del judge
+    exact_rows, variant = exact_section(args, batches)
+    result["exact"] = {"variant": variant, "rows": exact_rows} if exact_rows else None
     if exact_rows:
         print_exact_table(result["exact"])
     if args.json_path:
@@ -193,10 +205,11 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     from dmtd.bench.precision_bench import dtype_quant
 
     dtype, quant = dtype_quant(args.exact_precision)
-    spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), search_dirs=[SHIPPED_VARIANTS])
+    device = getattr(args, "device", "cpu")
+    spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), device=device, search_dirs=[SHIPPED_VARIANTS])
     threshold = spec.draft_threshold if args.draft_threshold is None else args.draft_threshold
     dqs = [q for q in str(args.draft_quants).split(",") if q] or ["auto"]
-    ecfg = EngineConfig(max_num_seqs=max(batches), max_model_len=1024, dtype=dtype, quant=quant)
+    ecfg = EngineConfig(max_num_seqs=max(batches), max_model_len=1024, dtype=dtype, quant=quant, device=device)
     engines = {dq: build_engine(spec, dataclasses.replace(ecfg, draft_quant=dq)) for dq in dqs}
     autos = {dq: build_engine(spec, dataclasses.replace(ecfg, adaptive_drafts=True, draft_quant=dq)) for dq in dqs}
     for e in [*engines.values(), *autos.values()]:
@@ -296,8 +309,9 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("decode tokens/s × fp32 τ = 1")
         ax.axhline(1.0, color="grey", lw=0.5)
     axes[0][0].legend(loc="upper left")
-    fig.suptitle(f"SmolLM2-135M by precision, D={result['decoding_layers']}, CPU {result['machine']['threads']} "
-                 "threads (one run)")
+    m = result["machine"]
+    where = m["gpu"] if m.get("gpu") else f"CPU {m['threads']} threads"
+    fig.suptitle(f"SmolLM2-135M by precision, D={result['decoding_layers']}, {where} (one run)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

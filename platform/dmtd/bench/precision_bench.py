@@ -41,15 +41,15 @@ def dtype_quant(precision: str) -> tuple[str, str]:
 
 
 def build(model_arg: str | None, precision: str, max_num_seqs: int, max_model_len: int,
-          decoding_layers: int, tau_max: int) -> tuple[LLMEngine, Any]:
+          decoding_layers: int, tau_max: int, device: str = "cpu") -> tuple[LLMEngine, Any]:
     from dmtd.variants.loader import load_model
 
     dtype, quant = dtype_quant(precision)
-    lm = load_model(model_arg, dtype=getattr(torch, dtype))
+    lm = load_model(model_arg, dtype=getattr(torch, dtype), device=device)
     dmtd = DMTDConfig.plain(lm.config.num_layers, decoding_layers, tau_max=tau_max)
     engine = LLMEngine(lm.model, lm.tokenizer, dmtd, EngineConfig(max_num_seqs=max_num_seqs,
                                                                   max_model_len=max_model_len, dtype=dtype,
-                                                                  quant=quant))
+                                                                  quant=quant, device=device))
     return engine, lm
 
 
@@ -115,11 +115,12 @@ def judge_nll(model: Any, prompts: list[list[int]], outs: list[list[int]]) -> fl
     total, count = 0.0, 0
     L = model.config.num_layers
     plain = DMTDConfig.plain(L, 1, tau_max=1)
+    device = next(model.parameters()).device
     for p, g in zip(prompts, outs):
-        ids = torch.tensor([p + g])
+        ids = torch.tensor([p + g], device=device)
         logits = model.forward_masked(ids, torch.ones_like(ids, dtype=torch.bool), plain)[0].float()
         lp = torch.log_softmax(logits[len(p) - 1: -1], -1)
-        total -= lp.gather(1, torch.tensor(g)[:, None]).sum().item()
+        total -= lp.gather(1, torch.tensor(g, device=device)[:, None]).sum().item()
         count += len(g)
     return total / max(count, 1)
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -51,6 +52,17 @@ def smollm2_dir(convert: bool = True) -> Path:
     return out
 
 
+def align_special_tokens(tok: Any, config: Any) -> None:
+    """Give the tokenizer the config's EOS and BOS (the GGUF's own ids). transformers 5.17 read SmolLM2's GGUF EOS
+    as <|im_start|> (id 1): an engine adds the tokenizer's EOS to the model's, stopped there, and refused the
+    variant's draft vocabulary, which holds the real EOS only."""
+    for attr in ("eos", "bos"):
+        want = getattr(config, f"{attr}_token_id", None)
+        want = want[0] if isinstance(want, list) else want
+        if want is not None and getattr(tok, f"{attr}_token_id", None) != want:
+            setattr(tok, f"{attr}_token", tok.convert_ids_to_tokens(int(want)))
+
+
 def convert_gguf(src: Path, out: Path) -> Path:
     """Dequantize a Llama-family GGUF into a Hugging Face safetensors directory (atomic)."""
     import torch
@@ -72,6 +84,7 @@ def convert_gguf(src: Path, out: Path) -> Path:
     model.load_state_dict(gguf_model.state_dict(), strict=False)
     if config.tie_word_embeddings:
         model.tie_weights()
+    align_special_tokens(tok, config)
     steps.update()
     steps.set_postfix_str("save")
     out.parent.mkdir(parents=True, exist_ok=True)
