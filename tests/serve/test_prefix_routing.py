@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from dmtd.client import DMTDClient
-from dmtd.serve.prefix_router import PrefixIndex, prompt_text, text_keys
+from dmtd.serve.prefix_router import InFlight, PrefixIndex, prompt_text, text_keys
 from tests.serve.conftest import VARIANT, free_port
 
 SYSTEMS = [" ".join(f"Policy {p}.{i}: reply politely and concisely about subject {i * 3 + p}." for i in range(40))
@@ -63,6 +63,16 @@ def test_requests_follow_their_prefix_and_prefixes_spread(two_replicas):
     assert max(share.values()) <= 0.75 * len(got)
 
 
+def test_a_burst_of_new_prefixes_spreads_over_both_replicas(two_replicas):
+    """Eight new system prompts at once: the router counts what it has just sent each replica (Serve's queue
+    lengths lag a burst), so they split over both replicas instead of all going to one."""
+    systems = [s.replace("Policy", f"Burst rule {b}") for b, s in enumerate(SYSTEMS * 2)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda s: ask(two_replicas, s, QUESTIONS[0])[0], systems))
+    share = Counter(got)
+    assert len(share) == 2 and min(share.values()) >= 3, share
+
+
 def test_a_dead_replica_leaves_the_index_and_requests_go_on(two_replicas):
     replica, _, _ = ask(two_replicas, SYSTEMS[0], QUESTIONS[0])  # its prefix's replica: "replica-<pid>"
     os.kill(int(replica.rsplit("-", 1)[1]), signal.SIGKILL)
@@ -88,6 +98,26 @@ def test_the_index_keeps_prefix_holders_and_forgets_replicas():
     assert idx.longest(b, {"r1", "r2"}) == (2, {"r1"})
     idx.insert(text_keys("z" * 1024, 256), "r1")  # 4 more keys: the least recently used go
     assert len(idx.keys) == 4 and idx.longest(a, {"r1"}) == (0, set())
+
+
+def test_in_flight_counts_routed_requests_until_they_complete():
+    now = [0.0]
+    inflight = InFlight(ttl_s=60.0, clock=lambda: now[0])
+    for rid, replica in [("a", "r1"), ("b", "r1"), ("c", "r2")]:
+        inflight.assign(rid, replica)
+    assert inflight.counts() == {"r1": 2, "r2": 1}
+    inflight.assign("b", "r2")  # routed again: counted where it went last
+    inflight.complete("a")
+    inflight.complete("unknown")
+    assert inflight.counts() == {"r2": 2}
+    now[0] = 30.0
+    inflight.assign("d", "r1")
+    inflight.drop("r2")  # a replica that left takes its requests with it
+    assert inflight.counts() == {"r1": 1}
+    now[0] = 60.0
+    inflight.assign("e", "r2")
+    now[0] = 95.0  # "d" was never completed (cancelled before it was sent): forgotten after ttl_s
+    assert inflight.counts() == {"r2": 1}
 
 
 def test_prompt_text_covers_messages_prompts_and_ids():

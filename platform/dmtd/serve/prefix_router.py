@@ -4,9 +4,13 @@
 Each replica keeps the prompts it served in its prefix cache (:mod:`dmtd.engine.prefix_cache`). The router keeps
 an approximate index of what it sent where: a hash chain over ``CHUNK_CHARS``-character runs of the prompt text
 (the gateway does not tokenise), each key → the replicas it went to and when. A request goes to the replica
-holding its longest indexed prefix unless that replica has ``imbalance`` more requests queued than the least
+holding its longest indexed prefix unless that replica has ``imbalance`` more requests in flight than the least
 loaded one (then the least loaded: load first); a prompt with no indexed prefix goes to the least loaded
 replica, ties to the one holding the fewest prefixes, so distinct system prompts spread over the replicas.
+A replica's load is the requests this router sent it that have not completed (:class:`InFlight`, counted from the
+moment of the choice), or Serve's cached queue length for it where that is higher: the cache alone lags a burst
+(it counts a request once it is sent, and forgets a replica's entry after a while), and a burst of 12 new
+requests once all went to one replica.
 Replicas that leave (scaled down, died) are dropped from the index. Decisions are counted by reason
 (:data:`DECISIONS`, exported by the gateway's telemetry).
 """
@@ -89,6 +93,31 @@ class PrefixIndex:
         return len(self.roots.get(replica, ()))
 
 
+class InFlight:
+    """Requests routed to each replica and not completed yet, by Serve's request id (a request routed again is
+    counted where it went last); entries older than ``ttl_s`` (a request cancelled before it was sent, whose
+    completion never comes) are forgotten."""
+
+    def __init__(self, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.clock = ttl_s, clock
+        self.where: dict[str, tuple[str, float]] = {}  # request id → (replica, when routed)
+
+    def assign(self, request_id: str, replica: str) -> None:
+        self.where[request_id] = (replica, self.clock())
+
+    def complete(self, request_id: str) -> None:
+        self.where.pop(request_id, None)
+
+    def drop(self, replica: str) -> None:
+        self.where = {k: v for k, v in self.where.items() if v[0] != replica}
+
+    def counts(self) -> Counter[str]:
+        old = self.clock() - self.ttl_s
+        if any(t < old for _, t in self.where.values()):
+            self.where = {k: v for k, v in self.where.items() if v[1] >= old}
+        return Counter(r for r, _ in self.where.values())
+
+
 class PrefixRouter(FIFOMixin, RequestRouter):
     """Serve's request router for the DMTD replicas: the replica most likely to hold the prompt's prefix,
     with a load fallback (``request_router_kwargs``: ``imbalance``, ``chunk_chars``). Requests are routed in
@@ -98,11 +127,12 @@ class PrefixRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, imbalance: int = 4, chunk_chars: int = CHUNK_CHARS, **_: Any) -> None:
         self.imbalance, self.chunk_chars = imbalance, chunk_chars
         self.index = PrefixIndex()
+        self.inflight = InFlight()
         self.name = self._deployment_id.name if getattr(self, "_deployment_id", None) else ""
 
-    def _load(self, r: RunningReplica) -> int:
+    def _load(self, r: RunningReplica, own: Counter[str]) -> int:
         n = self.replica_queue_len_cache.get(r.replica_id)
-        return 0 if n is None else int(n)
+        return max(own[r.replica_id.to_full_id_str()], 0 if n is None else int(n))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -115,15 +145,17 @@ class PrefixRouter(FIFOMixin, RequestRouter):
 
     def _choose(self, candidate_replicas: list[RunningReplica],
                 pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
-        load = {r.replica_id.to_full_id_str(): self._load(r) for r in candidate_replicas}
+        own = self.inflight.counts()
+        load = {r.replica_id.to_full_id_str(): self._load(r, own) for r in candidate_replicas}
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         least = min(load.values())
         keys: list[bytes] = []
         if pending_request is not None and pending_request.args:
             keys = text_keys(prompt_text(pending_request.args[0]), self.chunk_chars)
         if not keys:  # nothing to match (a short or malformed prompt): the least loaded replica, not indexed
-            return [sorted(candidate_replicas, key=lambda r: (load[r.replica_id.to_full_id_str()],
-                                                               r.replica_id.to_full_id_str()))]
+            ranked = sorted(by_id, key=lambda r: (load[r], r))
+            self._assign(pending_request, ranked[0])
+            return [[by_id[r] for r in ranked]]
         matched, holders = self.index.longest(keys, set(by_id))
         if matched:
             best = min(holders, key=lambda r: (load[r], r))
@@ -136,15 +168,26 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         for listen in LISTENERS:
             listen(self.name, reason)
         self.index.insert(keys, best)
+        self._assign(pending_request, best)
         rest = sorted((r for r in by_id if r != best), key=lambda r: (load[r], r))
         return [[by_id[best]], [by_id[r] for r in rest]] if rest else [[by_id[best]]]
+
+    def _assign(self, pending_request: PendingRequest | None, replica: str) -> None:
+        if pending_request is not None:
+            self.inflight.assign(pending_request.metadata.internal_request_id, replica)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self.inflight.complete(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.to_full_id_str() for r in self.curr_replicas}
         super().update_replicas(replicas)
         for gone in before - {r.replica_id.to_full_id_str() for r in replicas}:
             self.index.drop(gone)
+            self.inflight.drop(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.drop(replica_id.to_full_id_str())
+        self.inflight.drop(replica_id.to_full_id_str())
