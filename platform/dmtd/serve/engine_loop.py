@@ -25,14 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.outputs import StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
+from dmtd.serve.block_delivery import BlockDelivery
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.engine_job import PUSHED, Done, Job, Live, Pushed, SeqInfo, encode_prompt, internal_error, run_job
+from dmtd.serve.engine_job import Done, Job, Live, Pushed, encode_prompt, internal_error, run_job
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.serve.push import BlockPusher
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
-from dmtd_contract.records import Block, ReplicaRequest, Usage
+from dmtd_contract.records import Block, ReplicaRequest
 
 log = logging.getLogger("dmtd.replica")
 
@@ -42,8 +42,9 @@ def engine_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
 
 
-class EngineLoop:
-    """Owns the engine; admits, steps, dispatches blocks, applies the controller's τ and gate."""
+class EngineLoop(BlockDelivery):
+    """Owns the engine; admits, steps, dispatches blocks (:class:`BlockDelivery`), applies the controller's τ and
+    gate."""
 
     def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
                  telemetry: ReplicaTelemetry | None = None, executor: ThreadPoolExecutor | None = None) -> None:
@@ -323,110 +324,6 @@ class EngineLoop:
                     self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
             self._flush(now)
             self._apply_controller()
-
-    def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
-        assert self.telemetry is not None
-        prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
-        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.cycle_len) for o in outputs])
-        heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
-        self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
-
-    def _dispatch(self, o: StepOutput, now: float, seq: SeqInfo | None) -> None:
-        live = self.live.get(o.req_id)
-        if live is None:
-            return
-        live.text.append(o.text_delta)
-        if o.logprob is not None:
-            live.logprobs.append(o.logprob)
-        if o.token_id >= 0:
-            live.num_tokens += 1
-            live.num_heads += o.is_head
-        if not o.block and not o.finished:
-            return
-        tokens = list(o.block or [])
-        confs = list(o.block_confidences or []) or [0.0]
-        interval_ms = (now - live.t_last) * 1e3
-        if live.block_index > 0 and tokens:
-            self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
-        block = Block(
-            request_id=o.req_id, token_ids=tokens, text="".join(live.text), block_index=live.block_index,
-            k=len(tokens), tau=o.cycle_len, min_confidence=seq.min_confidence if seq is not None else 0.0,
-            confidence=(min(confs), sum(confs) / len(confs), max(confs)),
-            block_ms=interval_ms, replica=self.replica_name,
-            queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
-            num_drafted=o.num_drafted, num_accepted=o.num_accepted, step_ms=live.step_ms,
-            step_cpu_ms=live.step_cpu_ms, logprobs=live.logprobs,
-        )
-        live.text, live.t_last, live.step_ms, live.step_cpu_ms, live.logprobs = [], now, 0.0, 0.0, []
-        live.block_index += 1
-        if self.telemetry is not None:
-            cut = seq is not None and seq.cycles_cut > live.cycles_cut
-            live.cycles_cut = seq.cycles_cut if seq is not None else live.cycles_cut
-            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block.block_index, cut, min(confs),
-                                    interval_ms)
-            self.telemetry.on_checked(o.num_drafted, o.num_accepted)
-        if o.finished:
-            block.finish_reason = o.finish_reason or "stop"
-            block.error = o.error
-            block.usage = Usage(prompt_tokens=live.prompt_tokens, completion_tokens=live.num_tokens,
-                                blocks=live.block_index, heads=live.num_heads,
-                                cycles_cut=seq.cycles_cut if seq else 0,
-                                drafted_tokens=seq.drafted if seq else 0,
-                                accepted_tokens=seq.accepted if seq else 0,
-                                cached_tokens=seq.cached if seq else 0)
-            if seq is not None and seq.exact:
-                block.verifier = self.engine.verifier_name
-            self.live.pop(o.req_id, None)  # the engine's thread released it after the step
-            if self.telemetry is not None:
-                self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
-        if live.push is not None:
-            self._outbox.setdefault(live.push[0], []).append((live, block))
-        else:
-            live.ready.append(now)
-            live.queue.put_nowait(block)
-        if o.finished:
-            live.last.set()
-
-    def _flush(self, step_end: float) -> None:
-        """Write this step's pushed blocks: every request's frame to a sink in one write. A request whose sink
-        connection is gone (or whose write failed) streams its blocks through its call from here on; one whose
-        blocks cannot be encoded fails alone."""
-        outbox, self._outbox = self._outbox, {}
-        for address, items in outbox.items():
-            now, sent = time.perf_counter(), time.time()
-            by_request: dict[int, tuple[Live, list[Block]]] = {}
-            for live, block in items:
-                block.dispatch_ms, block.sent_s = (now - step_end) * 1e3, sent
-                by_request.setdefault(id(live), (live, []))[1].append(block)
-            groups = [(lv, blocks) for lv, blocks in by_request.values() if lv.push is not None]
-            try:
-                failed = None if self.pusher is None else self.pusher.write_groups(
-                    address, [(lv.push[1], blocks) for lv, blocks in groups])  # type: ignore[index]
-            except Exception:
-                log.warning("replica %s: writing to block sink %s failed", self.replica_name, address, exc_info=True)
-                failed = None
-            for i, (live, blocks) in enumerate(groups):
-                if failed is not None and i in failed:
-                    self._end_pushed(live, internal_error(live.req.request_id, "encoding a block failed", failed[i]))
-                elif failed is not None:
-                    if blocks[-1].finish_reason:
-                        live.queue.put_nowait(PUSHED)
-                else:
-                    log.warning("replica %s: block sink %s is gone; streaming request %s through Serve",
-                                self.replica_name, address, live.req.request_id)
-                    live.push = None
-                    for block in blocks:
-                        live.ready.append(step_end)
-                        live.queue.put_nowait(block)
-
-    def _end_pushed(self, live: Live, error: BaseException) -> None:
-        """End a pushed request with ``error``, finished (already out of ``live``) or not."""
-        rid = live.req.request_id
-        if self.live.get(rid) is live:
-            self._fail(rid, error)
-        else:
-            live.queue.put_nowait(error)
-            live.last.set()
 
     def _apply_controller(self) -> None:
         self.controller.observe_load(self._load[0] + len(self._adds), self._load[1])
