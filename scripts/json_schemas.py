@@ -96,11 +96,11 @@ def main() -> None:
     for chat, what in jobs:  # one answer after the other, alternating: both see the machine's load alike
         ref.append(timed(base, chat, params(what, False))[0])
         if not args.no_speed:
-            variant.forced_drafts = False
+            variant.cycles.forced_drafts = False
             r, dt = timed(variant, chat, params(what, True))
             without.append(r)
             t_without += dt
-        variant.forced_drafts = True
+        variant.cycles.forced_drafts = True
         r, dt = timed(variant, chat, params(what, True))
         with_forced.append(r)
         t_with += dt
@@ -113,7 +113,7 @@ def main() -> None:
         except (ValueError, jsonschema.ValidationError) as e:
             print(f"invalid: {r.text!r} ({e})")
         same += r.token_ids == b.token_ids == w.token_ids
-    forced = variant.context_by_pos.get(FORCED_SOURCE, ([], []))
+    forced = variant.cycles.ledger.seen.get(FORCED_SOURCE, ([], []))
     tokens = sum(len(r.token_ids) for r in with_forced)
     print(json.dumps({
         "answers": len(cases), "valid": valid, "equal_to_base_constrained": same, "tokens": tokens,

@@ -10,14 +10,14 @@ import sys
 import time
 from typing import Any
 
-from dmtd.cli import (
+from dmtd.cli_args import (
     EXIT_USAGE,
     SERVER_PROFILES,
-    SHIPPED_VARIANTS,
     UsageError,
     check_generation_args,
     default_variant,
 )
+from dmtd.variants.paths import SHIPPED_VARIANTS
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.draft_policy import PassCosts
+from dmtd.engine.draft_sources import LOOKUPS
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import CONTEXT_NGRAMS, SamplingParams, Sequence
 from tests.conftest import tiny_engine
@@ -58,7 +59,7 @@ def _engine(base, context: bool, costs: PassCosts | None = None) -> LLMEngine:
                                                    draft_quant="none", context_drafts=context),
                     default_cycle_len=1, eos_token_ids=[])
     if costs is not None:
-        eng.pass_costs = costs
+        eng.cycles.pass_costs = costs
     return eng
 
 
@@ -126,13 +127,14 @@ def test_the_policy_takes_context_drafts_only_where_they_pay(mine, engine_wide, 
     costs = PassCosts(checks={(1, r): 1.0 + 0.05 * r for r in range(1, 8)}, drafts={1: 0.3}, decay=1.0)
     eng = _engine(base, True, costs)
     if engine_wide is not None:
-        eng.context_by_pos = {n: ([engine_wide[1]], [engine_wide[0]]) for n in CONTEXT_NGRAMS}
+        eng.cycles.ledger.seen = {name: ([engine_wide[1]], [engine_wide[0]]) for name in LOOKUPS.values()}
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=20, cycle_len=3, exact=True))
     eng.step()  # the prefill: its token decides this first cycle
     seq = eng.seqs[rid]
-    seq.drafts, seq.draft_done, seq.context_ngram = [], False, 0
+    seq.clear_drafts()
     if mine is not None:
-        seq.context_by_pos = {n: ([mine[1]], [mine[0]]) for n in CONTEXT_NGRAMS}
+        seq.context_by_pos = {name: ([mine[1]], [mine[0]]) for name in LOOKUPS.values()}
     seq.token_ids += prompt[-6:]  # make sure the context ends in a repeated phrase
-    eng._context_drafts(seq)
-    assert (seq.context_ngram > 0) is expect and (len(seq.drafts) > 0) is expect
+    eng.cycles.from_context(seq)
+    assert (set(seq.draft_sources) <= set(LOOKUPS.values()) and seq.draft_sources != []) is expect
+    assert (len(seq.drafts) > 0) is expect

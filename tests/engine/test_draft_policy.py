@@ -44,9 +44,9 @@ def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_sc
                     default_cycle_len=1, eos_token_ids=[])
     # costs as measured on a memory-bound machine: extra check positions and tails are cheap
     # (for every batch size the run passes through as requests finish, so no step's own timing enters)
-    eng.pass_costs = PassCosts(checks={(b, r): 1.0 + 0.02 * r for b in range(1, 5) for r in range(1, 5)},
+    eng.cycles.pass_costs = PassCosts(checks={(b, r): 1.0 + 0.02 * r for b in range(1, 5) for r in range(1, 5)},
                                drafts={b: 0.25 for b in range(1, 5)})
-    eng.pass_costs.decay = 1.0  # keep these costs (the tiny model's own timings are not the point here)
+    eng.cycles.pass_costs.decay = 1.0  # keep these costs (the tiny model's own timings are not the point here)
     got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     drafted = sum(r.num_drafted for r in got)
@@ -86,7 +86,8 @@ def test_exploring_cycles_draft_only_where_a_draft_could_pay(draft_s, explores):
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
                                                    context_drafts=False),
                     default_cycle_len=1, eos_token_ids=[])
-    eng.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: draft_s}, decay=1.0)
+    eng.cycles.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: draft_s},
+                                      decay=1.0)
     res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=48, cycle_len=4, exact=True))[0]
     if explores:
         assert 0 < res.drafted_by_pos[0] <= 48 // 8 + 1  # the 1-in-8 exploring cycles, one draft each
@@ -121,7 +122,7 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
                                                    context_drafts=False),
                     default_cycle_len=1, eos_token_ids=[])
     # a tail at half a step (held there: decay 1) so that drafting stops once the acceptance prior wears off
-    eng.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: 0.5}, decay=1.0)
+    eng.cycles.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: 0.5}, decay=1.0)
     catch_ups: list[int] = []
     draft = eng.runner.draft
 
@@ -133,7 +134,7 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
     res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=64, cycle_len=4, exact=True))[0]
     assert res.num_accepted < 0.3 * res.num_drafted and any(c > 2 for c in catch_ups), catch_ups  # resumed
     steady = sum(c <= 2 for c in catch_ups)
-    assert eng.pass_costs.seen.get(("draft", 1), 0) == steady  # every counted pass was a steady one
+    assert eng.cycles.pass_costs.seen.get(("draft", 1), 0) == steady  # every counted pass was a steady one
 
 
 def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
@@ -147,7 +148,7 @@ def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
     for dq in ("none", "int8"):
         eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
                                                        draft_quant=dq), default_cycle_len=1, eos_token_ids=[])
-        assert eng.pass_costs.tail_prior == 0.45  # nothing known before an exact request
+        assert eng.cycles.pass_costs.tail_prior == 0.45  # nothing known before an exact request
         eng.add_request(prompts_of([5], 1)[0], SamplingParams(max_new_tokens=4, cycle_len=3, exact=True))
         r, d = eng.runner, DMTD
         layer = sum(t.numel() * t.element_size() for t in r.model.layer_weights()[0] if t is not None)
@@ -156,5 +157,5 @@ def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
         if dq == "none":
             assert r.draft_bytes_share() == pytest.approx((tail_layers * layer + head) / (d.num_layers * layer + head))
         shares[dq] = r.draft_bytes_share()
-        assert eng.pass_costs.tail_prior == pytest.approx(min(0.45, shares[dq] + TAIL_PASS_OVERHEAD))
+        assert eng.cycles.pass_costs.tail_prior == pytest.approx(min(0.45, shares[dq] + TAIL_PASS_OVERHEAD))
     assert shares["int8"] < 0.5 * shares["none"]

@@ -161,9 +161,10 @@ def test_a_checked_chunk_scores_each_position_as_that_position_alone(dtype, prom
         eng.step()
     seq, runner = eng.seqs[rid], eng.runner
     drafts, kept = [11, 42, 5], list(seq.token_ids)
-    seq.drafts = list(drafts)
+    seq.add_drafts(list(drafts), "probe")
     chunk = runner.verify([seq])[0]
-    seq.drafts, alone = [], []
+    seq.clear_drafts()
+    alone = []
     for d in [*drafts, None]:
         alone.append(runner.verify([seq])[0, -1])
         if d is not None:
@@ -198,7 +199,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_existed():
     fresh = tiny_engine(base, DMTD)
     fid = fresh.add_request(seq.token_ids[:-1], SamplingParams(max_new_tokens=1, cycle_len=1))
     fresh.step()  # prefill of the committed tokens but the last (which no head has fed yet)
-    fslot, slot = 0, seq.slot  # the fresh engine's only request took slot 0 (now free again, KV kept)
+    fslot, slot = 0, seq.kv_row  # the fresh engine's only request took slot 0 (now free again, KV kept)
     assert fresh.seqs[fid].generated_ids == seq.token_ids[-1:]
     run_kv = eng.runner.kv[: DMTD.decoding_start] + eng.runner.cache.verify_layers
     for (k, v), (fk, fv) in zip(run_kv, fresh.runner.kv):

@@ -41,7 +41,7 @@ def test_tau1_equals_hf_generate(smollm2, hf_model):
         assert len(expected) == 64
         assert res.token_ids == expected
         assert all(res.head_flags) and res.mean_block_len == 1.0
-    assert engine.scheduler.num_free_slots == 8
+    assert engine.scheduler.num_free_kv_rows == 8
 
 
 def test_chat_template_and_text(smollm2):

@@ -60,4 +60,4 @@ def test_a_sibling_with_no_slot_or_an_aborted_parent_prefills_itself():
     out = []
     while engine.has_unfinished():
         out += [o for o in engine.step() if o.req_id == "r1" and o.token_id >= 0]
-    assert len(out) == 8 and engine.scheduler.num_free_slots == 8
+    assert len(out) == 8 and engine.scheduler.num_free_kv_rows == 8

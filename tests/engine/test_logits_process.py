@@ -159,7 +159,7 @@ def test_a_grammars_forced_tokens_are_drafts_the_verifier_accepts(engines):
     chat = [{"role": "user", "content": "Is water wet?"}]
 
     def forced_accepted() -> int:
-        return sum(variant.context_by_pos.get(FORCED_SOURCE, ([], []))[1])
+        return sum(variant.cycles.ledger.seen.get(FORCED_SOURCE, ([], []))[1])
 
     before = forced_accepted()
     exact = variant.generate([chat], SamplingParams(max_new_tokens=12, cycle_len=4, exact=True, grammar=grammar))[0]

@@ -81,7 +81,7 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "i8dot"])
 def test_the_prefetch_distance_changes_no_bit_and_refuses_a_bad_one(fmt):
-    """dmtd::set_prefetch (scripts/bench_prefetch.py) changes how far ahead the weights are fetched, never a value;
+    """dmtd::set_prefetch changes how far ahead the weights are fetched, never a value;
     a distance outside 0..65536 is refused naming the rule, and the one before stays."""
     torch.manual_seed(2)
     p = lowbit.pack(torch.randn(300, 256), fmt)

@@ -64,7 +64,7 @@ def test_tokens_are_the_same_whatever_the_pool_and_however_often_sequences_are_p
     assert got == ref
     sch = e.scheduler
     assert sch.pages.peak_used <= sch.pages.num_pages
-    assert not sch.running and not sch.waiting and sch.num_free_slots == 5
+    assert not sch.running and not sch.waiting and sch.num_free_kv_rows == 5
     assert sch.pages.num_used == 0  # no row holds a page: what is not free is cached prompts
     assert sch.pages.num_evictable == len(sch.pages.cached) == sch.pages.num_pages - sch.pages.num_free
 
@@ -111,7 +111,7 @@ def test_the_pool_is_sized_by_memory_or_positions():
     assert by_mem.scheduler.pages.num_pages == 10
     by_mem.runner.enable_exact()
     cache = by_mem.runner.cache
-    assert cache.nbytes <= per * 16 * 10 + cache.pending.nbytes + cache.table.nbytes
+    assert cache.nbytes <= per * 16 * 10 + cache.tail_enc.nbytes + cache.table.nbytes
     with pytest.raises(ConfigError, match="kv_cache_tokens must be at least one page"):
         EngineConfig(kv_cache_tokens=8)
     with pytest.raises(ConfigError, match="holds no page"):

@@ -8,8 +8,9 @@ import pytest
 from dmtd.engine.config import EngineConfig
 from dmtd.engine.context_drafts import extension
 from dmtd.engine.draft_policy import PassCosts
+from dmtd.engine.draft_sources import LOOKUPS, TAILS, after_tails
 from dmtd.engine.llm import LLMEngine
-from dmtd.engine.phrase_table import LONG_HIGH, LONG_LOW, SHORT, SOURCES, PhraseTable, extension_source
+from dmtd.engine.phrase_table import LONG_HIGH, LONG_LOW, SHORT, SOURCES, PhraseTable
 from dmtd.engine.sequence import SamplingParams, Sequence
 from dmtd.train.corpus import Record
 from dmtd.train.phrase_table import build
@@ -34,23 +35,23 @@ def test_the_continuation_chains_lookups_backs_off_to_two_tokens_and_names_the_f
     assert t.continuation([9, 1, 2, 3], 5) == ([4, 5, 6], LONG_HIGH)  # chained: each context ends in the last
     assert t.continuation([1, 2, 3], 2) == ([4, 5], LONG_HIGH)
     assert t.continuation([7, 2, 3, 4], 3) == ([5, 6], LONG_LOW)  # 60 %: the lower band
-    assert t.continuation([2, 3], 3) == ([], 0) and t.continuation([1, 2, 3], 0) == ([], 0)
-    assert t.continuation([3, 2, 1], 3) == ([], 0)
+    assert t.continuation([2, 3], 3) == ([], "") and t.continuation([1, 2, 3], 0) == ([], "")
+    assert t.continuation([3, 2, 1], 3) == ([], "")
     t.short[t.key([2, 1])] = (7, 55)  # 3 2 1 is not there, 2 1 is
     t.short[t.key([5, 6])] = (8, 70)
     assert t.continuation([3, 2, 1], 3) == ([7], SHORT)
     assert t.continuation([2, 1], 3) == ([7], SHORT)  # two tokens of context are enough for the short table
     assert t.continuation([1, 2, 3], 4) == ([4, 5, 6, 8], LONG_HIGH)  # 4 5 6: backs off to 5 6 → 8
     assert len(t) == 5
-    ext = [extension_source(s) for s in SOURCES]
-    assert len(set(ext)) == len(SOURCES) and not set(ext) & set(SOURCES) and max(ext) < 0
+    ext = [after_tails(s) for s in SOURCES]
+    assert len(set(ext)) == len(SOURCES) and not set(ext) & set(SOURCES) and not set(ext) & set(LOOKUPS.values())
 
 
 def _engine(base, table: PhraseTable | None, phrase: bool = True) -> LLMEngine:
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256, adaptive_drafts=True,
                                                    draft_quant="none", phrase_drafts=phrase),
                     default_cycle_len=1, eos_token_ids=[], phrase_table=table)
-    eng.pass_costs = PassCosts(**COSTS)
+    eng.cycles.pass_costs = PassCosts(**COSTS)
     return eng
 
 
@@ -74,18 +75,18 @@ def test_table_drafts_keep_the_output_the_verifiers_and_are_counted_apart(think_
             assert 0 <= r.num_context_accepted <= r.num_context_drafted <= r.num_drafted
             assert sum(r.accepted_by_pos) == r.num_accepted - r.num_context_accepted  # by position: the tails'
             assert sum(r.drafted_by_pos) == r.num_drafted - r.num_context_drafted
-        table_counts = [v for k, v in eng.context_by_pos.items() if k < 0]  # the engine's, by source
+        table_counts = [v for k, v in eng.cycles.ledger.seen.items() if k in SOURCES]  # the engine's, by source
         assert sum(d[0] for d, _ in table_counts) > 0  # the table drafted
-        # a table of the answers is right, one of a token they lack never (prompt lookups count apart, by n > 0)
+        # a table of the answers is right, one of a token they lack never (prompt lookups count apart, by n)
         assert (sum(a[0] for _, a in table_counts) > 0) is good
     off = _engine(base, right, phrase=False)
     assert [r.token_ids for r in off.generate(prompts, exact)] == [r.token_ids for r in ref]
-    assert off.context_by_pos and all(k > 0 for k in off.context_by_pos)  # prompt lookups alone
+    assert off.cycles.ledger.seen and set(off.cycles.ledger.seen) <= set(LOOKUPS.values())  # prompt lookups alone
 
 
 def test_the_table_goes_on_from_the_tails_drafts_where_it_knows_their_continuation():
     """A table of every third position of the answers: where it has no continuation of the context, the tails draft
-    and the table may go on from their drafts; those tokens count apart (extension_source), the output is τ = 1's."""
+    and the table may go on from their drafts; those tokens count apart (after_tails), the output is τ = 1's."""
     base = base_model(3, 0.0)  # tails as good as the full stack: their drafts are the answers' tokens
     prompts = prompts_of([5, 9, 13, 7], 4)
     ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
@@ -97,7 +98,7 @@ def test_the_table_goes_on_from_the_tails_drafts_where_it_knows_their_continuati
     eng = _engine(base, table)
     got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-    drafted, accepted = eng.context_by_pos[extension_source(LONG_HIGH)]
+    drafted, accepted = eng.cycles.ledger.seen[after_tails(LONG_HIGH)]
     assert drafted[0] > 0 and 0 < accepted[0] <= drafted[0]
     for r in got:
         assert max(map(len, r.blocks)) <= 4 and 0 <= r.num_context_accepted <= r.num_context_drafted
@@ -136,7 +137,8 @@ def test_a_table_for_another_vocabulary_is_refused():
 
 def _seq_with_drafts(tail_acc: tuple[int, int]) -> Sequence:
     seq = Sequence("r", [1, 2, 3, 4], SamplingParams(max_new_tokens=20, exact=True), cycle_len=4)
-    seq.drafts, seq.draft_done = [7], True
+    seq.add_drafts([7], TAILS)
+    seq.draft_done = True
     seq.drafted_by_pos, seq.accepted_by_pos = [tail_acc[1]], [tail_acc[0]]
     return seq
 
@@ -147,7 +149,7 @@ def test_the_table_goes_on_from_the_tails_only_where_it_pays(tails, ext, expect)
     """After the tails' drafts, the table's tokens pay where the tails' are likely right (the table's count only
     then) and the table's own were right after them so far (a fresh engine: the prior, 0.5 a position)."""
     seq = _seq_with_drafts(tails)
-    source = extension_source(LONG_HIGH)
+    source = after_tails(LONG_HIGH)
     seen = {} if ext is None else {source: ([ext[1], ext[0]], [ext[0], int(ext[0] * 0.9)])}
     costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 8)}, drafts={1: 0.3}, decay=1.0)
     assert len(extension(seq, seen, costs, 1, [8, 9], source)) == expect

@@ -76,7 +76,7 @@ def test_tokens_are_the_same_with_and_without_the_prefix_cache(seed, num_prefixe
     assert st_.lookups == n and st_.cached_tokens % chunk == 0
     if n > num_prefixes and prefix_len >= chunk + 1 and slots >= n:  # (fewer slots: held chunks may be evicted)
         assert st_.hits > 0  # a later prompt starts with a whole chunk of a prefix an earlier one used
-    assert e.scheduler.num_free_slots == slots  # nothing held by a request after the end
+    assert e.scheduler.num_free_kv_rows == slots  # nothing held by a request after the end
 
 
 def test_a_finished_prompts_chunks_and_a_running_ones_are_shared_pages():
@@ -90,12 +90,12 @@ def test_a_finished_prompts_chunks_and_a_running_ones_are_shared_pages():
     assert (st_.hits, st_.cached_tokens) == (0, 0) and len(pages.cached) == 6 and pages.num_used == 0
     b = e.add_request(shared + rand_ids(g, 4), p)
     e.step()  # its table starts with the cached pages: only its last 4 positions are computed
-    table_b = pages.tables[e.seqs[b].slot]
+    table_b = pages.tables[e.seqs[b].kv_row]
     assert e.seqs[b].num_cached_tokens == 24 and set(table_b[:6]) == pages.cached
     c = e.add_request(shared + rand_ids(g, 7), p)
-    while e.seqs[c].slot < 0:
+    while e.seqs[c].kv_row < 0:
         e.step()
-    table_c = pages.tables[e.seqs[c].slot]
+    table_c = pages.tables[e.seqs[c].kv_row]
     assert e.seqs[c].num_cached_tokens == 24 and table_c[:6] == table_b[:6]  # b still runs: the same pages
     assert all(pages.held[q] == 2 for q in table_b[:6]) and not set(table_b[6:]) & set(table_c[6:])
     while e.has_unfinished():
@@ -158,12 +158,12 @@ def test_aborted_mid_prefill_frees_its_slot():
     e.step()
     long = e.add_request(rand_ids(g, 50), p)
     e.step()  # the long prompt's first chunk
-    assert e.seqs[long].num_prefilled == 8 and e.scheduler.num_free_slots == 0
+    assert e.seqs[long].num_prefilled == 8 and e.scheduler.num_free_kv_rows == 0
     assert e.abort(long)
-    assert e.scheduler.num_free_slots == 1 and not e.scheduler.prefilling
+    assert e.scheduler.num_free_kv_rows == 1 and not e.scheduler.prefilling
     while e.has_unfinished():
         e.step()
-    assert e.scheduler.num_free_slots == 2
+    assert e.scheduler.num_free_kv_rows == 2
 
 
 def test_the_chain_and_the_index():

@@ -111,7 +111,7 @@ def test_mixed_batch_equals_each_alone(anchor):
             outs.setdefault(o.req_id, []).append(o.token_id)
         step += 1
     assert [outs[r] for r in rids] == [s.token_ids for s in solo]
-    assert engine.scheduler.num_free_slots == 3
+    assert engine.scheduler.num_free_kv_rows == 3
 
 
 def test_aligned_phases_share_head_steps_and_stay_exact():
@@ -148,7 +148,7 @@ def test_aligned_phases_share_head_steps_and_stay_exact():
     settled = decode_steps[12:]
     assert settled and all(heads in (set(), rows) for rows, heads in settled)
     assert sum(1 for _, heads in settled if heads) * 3 >= len(settled) - 2
-    assert engine.scheduler.num_free_slots == 4
+    assert engine.scheduler.num_free_kv_rows == 4
 
 
 def test_aligned_rows_equal_masked_forward():

@@ -53,13 +53,13 @@ def test_cancel_mid_stream_frees_slot_and_others_continue():
     for _ in range(4):
         engine.step()
     assert engine.abort(a) is True
-    assert engine.scheduler.num_free_slots == 1
+    assert engine.scheduler.num_free_kv_rows == 1
     assert engine.abort(a) is False
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
     assert {o.req_id for o in outs} == {b}
-    assert outs[-1].finished and engine.scheduler.num_free_slots == 2
+    assert outs[-1].finished and engine.scheduler.num_free_kv_rows == 2
     # the cancelled row's slot is reused and the new sequence is unaffected by stale cache rows
     c = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, cycle_len=3))[0]
     solo = tiny_engine(model, DMTD).generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, cycle_len=3))[0]
@@ -87,7 +87,7 @@ def test_bad_input_is_rejected_with_the_field_and_others_keep_running():
     while engine.has_unfinished():
         outs += engine.step()
     assert [o.token_id for o in outs if o.req_id == ok].__len__() == 8
-    assert engine.scheduler.num_free_slots == 2 and engine.scheduler.num_unfinished == 0
+    assert engine.scheduler.num_free_kv_rows == 2 and engine.scheduler.num_unfinished == 0
 
 
 def test_non_finite_logits_fail_one_request_only():
@@ -96,8 +96,8 @@ def test_non_finite_logits_fail_one_request_only():
     good = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=12, cycle_len=2))
     bad = engine.add_request([5, 6], SamplingParams(max_new_tokens=12, cycle_len=2))
     engine.step()  # prefill both
-    bad_slot = engine.seqs[bad].slot
-    rows = [s.slot for s in engine.scheduler.running]
+    bad_slot = engine.seqs[bad].kv_row
+    rows = [s.kv_row for s in engine.scheduler.running]
     orig = engine.runner.logits
 
     def poisoned(h):
@@ -115,7 +115,7 @@ def test_non_finite_logits_fail_one_request_only():
     while engine.has_unfinished():
         outs += engine.step()
     assert sum(1 for o in outs if o.req_id == good) == 11
-    assert engine.scheduler.num_free_slots == 3
+    assert engine.scheduler.num_free_kv_rows == 3
 
 
 def test_context_full_finishes_with_length():
@@ -123,7 +123,7 @@ def test_context_full_finishes_with_length():
     engine = tiny_engine(model, DMTD, max_model_len=20)
     res = engine.generate([list(range(1, 16))], SamplingParams(max_new_tokens=100, cycle_len=3))[0]
     assert res.finish_reason == "length" and len(res.token_ids) == 5
-    assert engine.scheduler.num_free_slots == 8
+    assert engine.scheduler.num_free_kv_rows == 8
 
 
 def test_stop_strings_and_utf8_safe_text(smollm2):

@@ -30,15 +30,15 @@ def test_admission_respects_slots_and_frees_them():
     for r in "abc":
         s.add(seq(r, max_new_tokens=3))
     out, _ = drive(s, lambda q: 5)
-    assert [q.req_id for q in out.prefill] == ["a", "b"] and s.num_free_slots == 0
+    assert [q.req_id for q in out.prefill] == ["a", "b"] and s.num_free_kv_rows == 0
     assert [q.req_id for q in s.waiting] == ["c"]
     for _ in range(2):
         out, ev = drive(s, lambda q: 5)
         assert not out.is_prefill
     assert all(e.finished and e.finish_reason == "length" for e in ev)
-    assert s.num_free_slots == 2
+    assert s.num_free_kv_rows == 2
     out, _ = drive(s, lambda q: 5)
-    assert [q.req_id for q in out.prefill] == ["c"] and out.prefill[0].slot == 0
+    assert [q.req_id for q in out.prefill] == ["c"] and out.prefill[0].kv_row == 0
 
 
 def test_phases_and_blocks_prompt_end():
@@ -108,7 +108,7 @@ def test_bad_requests_are_rejected_before_admission():
         s.add(Sequence("empty", [], SamplingParams(), cycle_len=1))
     with pytest.raises(RequestError, match="tau"):
         s.add(seq("t", tau=5))
-    assert s.num_unfinished == 0 and s.num_free_slots == 2
+    assert s.num_unfinished == 0 and s.num_free_kv_rows == 2
 
 
 def test_finish_is_idempotent_and_frees_waiting_too():
@@ -120,7 +120,7 @@ def test_finish_is_idempotent_and_frees_waiting_too():
     s.finish(b, "abort")
     s.finish(a, "abort")
     s.finish(a, "abort")
-    assert s.num_unfinished == 0 and s.num_free_slots == 1
+    assert s.num_unfinished == 0 and s.num_free_kv_rows == 1
 
 
 @pytest.mark.parametrize("field,kw", [

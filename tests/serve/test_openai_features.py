@@ -285,7 +285,7 @@ def test_closing_an_n_stream_frees_every_choices_slot(stack, client):
         assert seen <= set(range(n)) and seen
         stream.close()
         stats = wait_idle(stack, 30)
-        assert stats["active"] == 0 and stats["free_slots"] == 8
+        assert stats["active"] == 0 and stats["free_kv_rows"] == 8
 
 
 def test_a_shared_system_prompt_is_cached_and_the_text_stays_the_base_models(client, base):

@@ -175,10 +175,10 @@ def test_errors_cancellation_and_lost_frames_on_the_pushed_path():
                 break
         await stream.aclose()
         for _ in range(100):
-            if rep.loop.num_active == 0 and rep.loop.engine.scheduler.num_free_slots == 2:
+            if rep.loop.num_active == 0 and rep.loop.engine.scheduler.num_free_kv_rows == 2:
                 break
             await asyncio.sleep(0.01)
-        out["victim"] = got, rep.loop.num_active, rep.loop.engine.scheduler.num_free_slots, handle.calls[-1].cancelled
+        out["victim"] = got, rep.loop.num_active, rep.loop.engine.scheduler.num_free_kv_rows, handle.calls[-1].cancelled
         lossy, _ = _core(rep, sink, drop_block=2)
         with pytest.raises(GatewayError) as lost:
             await _through(lossy, req("lossy", 20))
@@ -287,10 +287,10 @@ def test_a_block_that_cannot_be_encoded_fails_its_request_alone():
         finally:
             push_module.encode_frame = real  # type: ignore[assignment]
         for _ in range(100):
-            if rep.loop.num_active == 0 and rep.loop.engine.scheduler.num_free_slots == 3:
+            if rep.loop.num_active == 0 and rep.loop.engine.scheduler.num_free_kv_rows == 3:
                 break
             await asyncio.sleep(0.01)
-        state = rep.loop.num_active, rep.loop.engine.scheduler.num_free_slots, sink.num_open
+        state = rep.loop.num_active, rep.loop.engine.scheduler.num_free_kv_rows, sink.num_open
         await sink.stop()
         return out, state
 

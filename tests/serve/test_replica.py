@@ -66,7 +66,7 @@ def test_concurrent_streams_and_cancel_frees_slot():
         got = await cancel_after_two()
         results = await asyncio.gather(*streams)
         for _ in range(50):
-            if (await rep.stats())["active"] == 0 and rep.loop.engine.scheduler.num_free_slots == 4:
+            if (await rep.stats())["active"] == 0 and rep.loop.engine.scheduler.num_free_kv_rows == 4:
                 break
             await asyncio.sleep(0.01)
         return got, results, await rep.stats()
@@ -74,7 +74,7 @@ def test_concurrent_streams_and_cancel_frees_slot():
     got, results, stats = asyncio.run(scenario())
     assert got == 2
     assert all(sum(b.k for b in r) == 16 for r in results)
-    assert stats["active"] == 0 and stats["free_slots"] == 4
+    assert stats["active"] == 0 and stats["free_kv_rows"] == 4
 
 
 def test_overload_and_bad_requests():
@@ -152,7 +152,7 @@ def test_a_poison_request_fails_alone_and_the_stream_in_flight_keeps_its_pace():
     gaps = [b - a for a, b in zip([t_poison, *after], after)]
     assert max(gaps[:6]) < max(0.5, 10 * normal), (normal, gaps[:6])
     assert sum(b.k for b in blocks) == 120 and blocks[-1].finish_reason == "length"
-    assert rep.loop.restarts == 0 and rep.loop.engine.scheduler.num_free_slots == 4
+    assert rep.loop.restarts == 0 and rep.loop.engine.scheduler.num_free_kv_rows == 4
 
 
 def test_bad_types_past_the_gateway_are_named_by_the_replica():
@@ -274,10 +274,10 @@ def test_cancelling_a_stream_that_waits_out_its_interval_frees_the_slot():
             await waiting
         await gen.aclose()
         for _ in range(200):  # the loop frees the slot before its next step
-            if rep.loop.engine.scheduler.num_free_slots == 2:
+            if rep.loop.engine.scheduler.num_free_kv_rows == 2:
                 break
             await asyncio.sleep(0.005)
         return {"first": first, **(await rep.stats())}
 
     out = asyncio.run(scenario())
-    assert len(out["first"]) == 1 and out["active"] == 0 and out["free_slots"] == 2
+    assert len(out["first"]) == 1 and out["active"] == 0 and out["free_kv_rows"] == 2

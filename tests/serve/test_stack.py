@@ -23,7 +23,7 @@ def wait_idle(stack, timeout_s: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = stack.replica_stats()
-        if stats["active"] == 0 and stats["free_slots"] == 8 or time.monotonic() > deadline:
+        if stats["active"] == 0 and stats["free_kv_rows"] == 8 or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
 
@@ -76,7 +76,7 @@ def test_cancel_mid_stream_frees_the_slot(stack):
                 break
     assert got == 3
     stats = wait_idle(stack)
-    assert stats["active"] == 0 and stats["free_slots"] == 8
+    assert stats["active"] == 0 and stats["free_kv_rows"] == 8
 
 
 def test_deadline_expires_cleanly(stack):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from dmtd.engine.phrase_table import LONG_HIGH, LONG_LOW, SHORT
 from dmtd.train.corpus import Record, load_corpus
-from dmtd.train.phrase_table import build, evaluate, run_phrase_table
+from dmtd.train.phrase_table import ALL, build, evaluate, run_phrase_table
 from dmtd.variants.build import build_engine, engine_spec
 from dmtd.variants.manifest import ManifestError, read_manifest
 from tests.train.test_draft_vocab import variant_over
@@ -38,7 +38,7 @@ def test_the_table_keeps_a_contexts_most_frequent_token_where_it_was_seen_enough
     assert build(records, 97, min_count=4, min_share=0.8).entries == {}
     assert table.short[table.key([2, 3])] == (4, 75) and table.short[table.key([1, 2])] == (3, 100)
     # by source, (named, right): 9 1 2 → 3 (right, 100 %), 1 2 3 → 4 (not 5; 75 %), 2 3 5 and 3 5: not there
-    assert evaluate(table, [rec([9, 1, 2], [3, 5, 6])]) == {0: (3, 0), LONG_HIGH: (1, 1), LONG_LOW: (1, 0),
+    assert evaluate(table, [rec([9, 1, 2], [3, 5, 6])]) == {ALL: (3, 0), LONG_HIGH: (1, 1), LONG_LOW: (1, 0),
                                                             SHORT: (0, 0)}
     assert evaluate(table, [rec([6, 1, 2], [3])])[SHORT] == (1, 1)  # 6 1 2: not there, 1 2 → 3 is
 

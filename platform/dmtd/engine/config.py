@@ -191,7 +191,7 @@ class EngineConfig:
     # prompts are prefilled in chunks of this many positions (boundaries at its multiples from position 0); while
     # sequences decode, a step prefills at most this many, and prefix caching reuses whole chunks
     prefill_chunk: int = 128
-    prefix_caching: bool = True  # a prompt's leading chunks found in a slot are reused (dmtd.engine.prefix_cache)
+    prefix_caching: bool = True  # a prompt's leading chunks found in the cache are reused (dmtd.engine.prefix_cache)
     # the KV cache is one pool of pages of page_size positions (dmtd.engine.kv_pages; with prefix caching, a divisor
     # of prefill_chunk: gcd(page_size, prefill_chunk)); a sequence holds the pages of the positions it has written.
     # kv_cache_tokens: the pool's positions (None: max_num_seqs × max_model_len, room for every sequence at full

@@ -1,20 +1,17 @@
-"""Context drafts of verified cycles (prompt lookup): a cycle's drafts may be the tokens that followed the latest
-earlier occurrence of the context's last few tokens, or the variant's phrase table's continuation of them, where the
-draft policy expects more tokens per cost of them than of the tails' drafts; the table may also go on from the tails'
-drafts. Torch-free; the engine (dmtd.engine.llm) calls these at each head."""
+"""Pricing the pass-free draft sources (dmtd.engine.draft_sources: prompt lookup, the phrase table) against the tails:
+a cycle's drafts may be a source's tokens where the draft policy expects more tokens per cost of them than of the
+tails' drafts; the table may also go on from the tails' drafts. Torch-free; the engine (dmtd.engine.verified)
+calls these at each head."""
 
 from __future__ import annotations
 
-from dmtd.engine.draft_policy import PassCosts, acceptance_by_pos, count_cycle, expected_tokens
-from dmtd.engine.phrase_table import PhraseTable
-from dmtd.engine.sequence import CONTEXT_NGRAMS, Sequence
+from dmtd.engine.draft_policy import PassCosts, acceptance_by_pos, expected_tokens
+from dmtd.engine.draft_sources import Counts, DraftSource
+from dmtd.engine.sequence import Sequence
 
 # context drafts a cycle at most: a check of 4 positions is one pass over the weights on AVX2 (4 rows a pass; 5
 # positions cost ~1.8 plain steps, 4 ~1.3, 2 ~1.05); a longer repeat is taken over several cycles
 MAX_CONTEXT_DRAFTS = 3
-
-# source (n, or the phrase table's band) → (drafted, accepted) by position over an engine's requests
-Counts = dict[int, tuple[list[int], list[int]]]
 
 
 def _less(counts: list[int], mine: list[int]) -> list[int]:
@@ -22,43 +19,32 @@ def _less(counts: list[int], mine: list[int]) -> list[int]:
     return [max(0, x - (mine[j] if j < len(mine) else 0)) for j, x in enumerate(counts)]
 
 
-def candidates(seq: Sequence, most: int, table: PhraseTable | None) -> list[tuple[int, list[int]]]:
-    """(source, up to ``most`` tokens) a cycle could draft without the tails: the prompt's and answer's own
-    continuation of their last n tokens (source n: the longest n in CONTEXT_NGRAMS that matches, a shorter match
-    is the same or a worse guess), the variant's phrase table's (a negative source: its share band). Each source
+def candidates(seq: Sequence, most: int, sources: list[DraftSource]) -> list[tuple[str, list[int]]]:
+    """(source name, up to ``most`` tokens) a cycle could draft without the tails, one per source. Each source
     learns its acceptance only when it is taken: the 2-token match, competing with the 3-token one where both
-    existed, won its first draws on one engine, and the 3-token one (0.78 right against 0.66) was never taken again."""
-    out = []
-    for n in CONTEXT_NGRAMS:  # longest first
-        cont = seq.context_continuation(most, n)
-        if cont:
-            out.append((n, cont))
-            break
-    if table is not None:
-        cont, source = table.continuation(seq.token_ids, most)
-        if cont:
-            out.append((source, cont))
-    return out
+    existed, won its first draws on one engine, and the 3-token one (0.78 right against 0.66) was never taken again
+    (prompt lookup proposes its longest match only)."""
+    return [p for p in (src.propose(seq, most) for src in sources) if p is not None]
 
 
 def choose(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, bar: float, most: int,
-           eos_ids: set[int], table: PhraseTable | None = None) -> tuple[list[int], int]:
-    """The continuation (up to ``most`` tokens, of the context or the phrase table) and its source with the most
-    expected tokens per check cost, if that beats ``bar`` (the tails' best rate); else ``([], 0)``. A request's own
+           eos_ids: set[int], sources: list[DraftSource]) -> tuple[list[int], str]:
+    """The continuation (up to ``most`` tokens, of a pass-free source) and its source with the most expected tokens
+    per check cost, if that beats ``bar`` (the tails' best rate); else ``([], "")``. A request's own
     acceptance by position (per source) is smoothed toward what the engine saw on its other requests (``seen``,
     this one's counts taken out)."""
     pick: list[int] = []
-    best, ngram = bar, 0
-    for n, cont in candidates(seq, most, table):
+    best, source = bar, ""
+    for name, cont in candidates(seq, most, sources):
         cont = until_stop(seq, cont, eos_ids)
-        drafted, accepted = seq.context_by_pos.get(n, ([], []))
-        seen_d, seen_a = seen.get(n, ([], []))
+        drafted, accepted = seq.context_by_pos.get(name, ([], []))
+        seen_d, seen_a = seen.get(name, ([], []))
         prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
         for m in range(1, len(cont) + 1):
             rate = expected_tokens(accepted, drafted, m, prior) / costs.check_cost(batch, m)
             if rate > best:
-                pick, best, ngram = cont[:m], rate, n
-    return pick, ngram
+                pick, best, source = cont[:m], rate, name
+    return pick, source
 
 
 def until_stop(seq: Sequence, cont: list[int], eos_ids: set[int]) -> list[int]:
@@ -69,7 +55,7 @@ def until_stop(seq: Sequence, cont: list[int], eos_ids: set[int]) -> list[int]:
     return cont
 
 
-def extension(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, cont: list[int], source: int) -> list[int]:
+def extension(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, cont: list[int], source: str) -> list[int]:
     """How much of ``cont`` (the phrase table's continuation of the tails' drafts) to check after them: the prefix
     with the most expected tokens per cycle cost, if that beats the tails' drafts alone, else none. The tokens
     count only where every tail draft is accepted; they cost the check's wider rows, no pass."""
@@ -91,11 +77,3 @@ def extension(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, cont: l
         if rate > best:
             pick, best = cont[:j], rate
     return pick
-
-
-def count(seen: Counts, n: int, drafted: int, accepted: int) -> None:
-    """Fold a context cycle into the engine-wide counts (halved past 1,000 cycles: they follow the workload)."""
-    d, a = seen.setdefault(n, ([], []))
-    count_cycle(d, a, drafted, accepted)
-    if d and d[0] > 1000:
-        d[:], a[:] = [x // 2 for x in d], [x // 2 for x in a]

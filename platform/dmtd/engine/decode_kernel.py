@@ -30,11 +30,11 @@ def _lin(x: torch.Tensor, w: torch.Tensor, s: Optional[List[torch.Tensor]], i: i
     return torch.ops.dmtd.linear(x, w, s[i], mode)
 
 
-def _torch_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+def _torch_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, kv_rows: torch.Tensor,
                      B: int, one: bool, shared: bool, read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045
                      nkv: int, g: int, hd: int, scale: float, row_loop: int) -> torch.Tensor:
     """The decode rows' attention with torch's ops (where dmtd::attend is not built) → [B, nh·hd]."""
-    rows = slots[:1] if one or shared else slots
+    rows = kv_rows[:1] if one or shared else kv_rows
     keys = gather_pages(kc, table, rows, read_len)
     vals = gather_pages(vc, table, rows, read_len)
     if shared and row_loop >= B:
@@ -61,7 +61,7 @@ def _decode_layers(
     o: List[torch.Tensor], ln2: List[torch.Tensor], gate_up: List[torch.Tensor],  # noqa: UP006, UP045
     down: List[torch.Tensor], kc: List[torch.Tensor], vc: List[torch.Tensor],  # noqa: UP006, UP045
     cos: torch.Tensor, sin: torch.Tensor,  # [B, hd] (sin is the signed table)
-    slots: torch.Tensor, pos: torch.Tensor,  # [B] int64: each row's sequence (its page-table row) and position
+    kv_rows: torch.Tensor, pos: torch.Tensor,  # [B] int64: each row's sequence (its page-table row) and position
     table: torch.Tensor,  # [sequences, pages] int64: the pages of each sequence's positions (dmtd.engine.kv_cache)
     read_len: int, mask: Optional[torch.Tensor],  # noqa: UP045 — [B, read_len] bool
     nh: int, nkv: int, hd: int, eps: float, shared: bool = False,  # shared: the rows are positions of one sequence
@@ -82,7 +82,7 @@ def _decode_layers(
     # dmtd::attend's rows: each reads keys 0 .. its own position of its own sequence
     att_lens = torch.full([1], read_len, dtype=torch.long) if one else pos + 1
     P = kc[0].shape[2]
-    w_page = table[slots, torch.div(pos, P, rounding_mode="floor")]
+    w_page = table[kv_rows, torch.div(pos, P, rounding_mode="floor")]
     w_off = torch.remainder(pos, P)
     for i in range(len(ln1)):
         y = _lin(_rms(h, ln1[i], eps), qkv[i], s_qkv, i, mode)
@@ -100,9 +100,9 @@ def _decode_layers(
         kc[i][w_page, :, w_off] = k
         vc[i][w_page, :, w_off] = v
         if attend:  # reads the cache itself
-            a = torch.ops.dmtd.attend(q, kc[i], vc[i], table, slots, att_lens, scale).to(h.dtype)
+            a = torch.ops.dmtd.attend(q, kc[i], vc[i], table, kv_rows, att_lens, scale).to(h.dtype)
         else:
-            a = _torch_attention(q, kc[i], vc[i], table, slots, B, one, shared, read_len, mask, nkv, g, hd,
+            a = _torch_attention(q, kc[i], vc[i], table, kv_rows, B, one, shared, read_len, mask, nkv, g, hd,
                                  scale, row_loop).to(h.dtype)
         h = h + _lin(a, o[i], s_o, i, mode)
         gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)

@@ -1,10 +1,10 @@
-"""Sequences that share a prompt (the OpenAI API's ``n``): one prefill, its KV copied to each sibling's slot.
+"""Sequences that share a prompt (the OpenAI API's ``n``): one prefill, its KV copied to each sibling's kv_row.
 
 A request added with ``prefill_with`` naming a sibling that is still waiting, with the same prompt and the same
 verifying path, waits beside it instead of in the queue. When the sibling's prefill step runs, each such request
-takes a slot of its own (or, with none free, goes to the queue and prefills itself), the prompt's rows of every KV
+takes a kv_row of its own (or, with none free, goes to the queue and prefills itself), the prompt's rows of every KV
 buffer are copied into it, and it samples its first token from the sibling's last-position logits with its own
-generator: from then on it is a sequence like any other. A prompt's KV has the same bits whichever slot holds it
+generator: from then on it is a sequence like any other. A prompt's KV has the same bits whichever kv_row holds it
 (the runner prefills one prompt at a time), so a copy decodes exactly as its own prefill would have.
 """
 
@@ -26,12 +26,12 @@ class Forks:
     def attach(self, seq: Sequence, sibling: Sequence | None) -> bool:
         """Wait on ``sibling``'s prefill, if it is still to come and shares the prompt and the verifying path."""
         if (sibling is None or sibling.status is not SequenceStatus.WAITING or sibling.token_ids != seq.token_ids
-                or sibling.params.exact != seq.params.exact or sibling.req_id in self.pending_ids()):
+                or sibling.params.exact != seq.params.exact or sibling.req_id in self.waiting_ids()):
             return False
         self.waiting.setdefault(sibling.req_id, []).append(seq)
         return True
 
-    def pending_ids(self) -> set[str]:
+    def waiting_ids(self) -> set[str]:
         return {s.req_id for kids in self.waiting.values() for s in kids}
 
     def detach(self, req_id: str) -> Sequence | None:
@@ -56,7 +56,7 @@ class Forks:
         for i, s in enumerate(list(out.prefill)):
             for kid in self.waiting.pop(s.req_id, []):
                 if scheduler.admit_prefilled(kid):
-                    copy_prompt_kv(cache, s.slot, kid.slot, s.num_tokens)
+                    copy_prompt_kv(cache, s.kv_row, kid.kv_row, s.num_tokens)
                     out.prefill.append(kid)
                     rows.append(i)
                 else:
@@ -69,4 +69,4 @@ class Forks:
 def copy_prompt_kv(cache: KVCache, src: int, dst: int, length: int) -> None:
     """Cache row ``src``'s first ``length`` positions into row ``dst``'s pages, in every buffer that holds positions."""
     cache.copy_rows(src, dst, length)
-    cache.pending[dst] = cache.pending[src]
+    cache.tail_enc[dst] = cache.tail_enc[src]

@@ -23,13 +23,13 @@ class KVCache:
     Layers are grouped as the variant splits them (encoding / thinking / decoding); the groups fill at
     different speeds — the thinking group lags the others by the tails that await refill — so their
     lengths are tracked per sequence by the scheduler; a position's page is the same in every group.
-    ``pending`` holds the encoding-group output of those tail positions (the thinking group's input at the
+    ``tail_enc`` holds the encoding-group output of those tail positions (the thinking group's input at the
     next head), a few rows per cache row.
     """
 
     def __init__(self, model: ModelConfig, dmtd: DMTDConfig, num_rows: int, max_len: int, pages: KVPages,
                  dtype: torch.dtype, device: torch.device | str, hidden_dtype: torch.dtype | None = None) -> None:
-        hidden_dtype = hidden_dtype or dtype  # of ``pending`` and ``stash`` (activations; KV may be wider)
+        hidden_dtype = hidden_dtype or dtype  # of ``tail_enc`` and ``stash`` (activations; KV may be wider)
         self.pages = pages
         P = pages.page_size
         shape = (pages.num_pages, model.num_kv_heads, P, model.head_dim)
@@ -42,7 +42,7 @@ class KVCache:
             "thinking": range(dmtd.thinking_start, dmtd.decoding_start),
             "decoding": range(dmtd.decoding_start, dmtd.num_layers),
         }
-        self.pending = torch.zeros(num_rows, max(dmtd.tau_max, 1), model.hidden_size, dtype=hidden_dtype,
+        self.tail_enc = torch.zeros(num_rows, max(dmtd.tau_max, 1), model.hidden_size, dtype=hidden_dtype,
                                    device=device)
         # unassigned entries name page 0: only masked keys are ever read through them
         self.table = torch.zeros(num_rows, pages_for(max_len, P), dtype=torch.long, device=device)
@@ -108,7 +108,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        bufs = [t for kv in self.layers + (self.verify_layers or []) for t in kv] + [self.pending, self.table]
+        bufs = [t for kv in self.layers + (self.verify_layers or []) for t in kv] + [self.tail_enc, self.table]
         if self.stash is not None:
             bufs.append(self.stash)
         return sum(t.numel() * t.element_size() for t in bufs)

@@ -63,20 +63,20 @@ class KVCacheManager:
     def grow(self, seq: Sequence, positions: int) -> bool:
         """Pages for ``seq``'s positions ``0 .. positions - 1`` (cached chunks no sequence holds are dropped while
         too few are free); False if even that is not enough."""
-        return self.pages.grow(seq.slot, min(positions, self.max_model_len))
+        return self.pages.grow(seq.kv_row, min(positions, self.max_model_len))
 
     def admit(self, seq: Sequence, salt: str) -> bool:
         """A row for ``seq``, the pages of its prompt's leading chunks published before (shared), its own pages for
         the rest of its prompt and a step's growth; sets its row and how much of its prompt is cached. False
         (nothing held) if the pool cannot give them."""
-        seq.slot = heapq.heappop(self._free_rows)
+        seq.kv_row = heapq.heappop(self._free_rows)
         n = 0
         if self.prefix is not None:
             # only prompt chunks are published or reused: a generated position's KV came from a decode step
             seq.prefix_keys = chain(seq.token_ids[: seq.prompt_len], self.chunk, salt)
             # at least the last prompt token is computed: its logits draw the first token
             n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.chunk])
-            self.pages.share(seq.slot, shared)
+            self.pages.share(seq.kv_row, shared)
             if not seq.num_preempted:  # a preempted sequence's return is no new request
                 st = self.prefix.stats
                 st.lookups += 1
@@ -93,7 +93,7 @@ class KVCacheManager:
         """A row and pages for a sequence whose prompt KV is copied in from a sibling's (dmtd.engine.forks)."""
         if not self.num_free_rows:
             return False
-        seq.slot = heapq.heappop(self._free_rows)
+        seq.kv_row = heapq.heappop(self._free_rows)
         if not self.grow(seq, seq.num_tokens + self.lookahead):
             self.release(seq)
             return False
@@ -111,8 +111,8 @@ class KVCacheManager:
         st = self.prefix.stats
         st.hits += seq.num_cached_tokens == 0
         st.cached_tokens += cached - seq.num_cached_tokens
-        self.pages.shrink(seq.slot, 0)  # its own pages (nothing computed in them yet) go back, the shared come in
-        self.pages.share(seq.slot, shared)
+        self.pages.shrink(seq.kv_row, 0)  # its own pages (nothing computed in them yet) go back, the shared come in
+        self.pages.share(seq.kv_row, shared)
         grown = self.grow(seq, seq.num_tokens + self.lookahead)
         assert grown, "the pages it let go cover what it needs"
         seq.num_prefilled = seq.num_cached_tokens = cached
@@ -124,12 +124,12 @@ class KVCacheManager:
             return
         keys = seq.prefix_keys[: seq.num_prefilled // self.chunk]
         per = self.chunk // self.pages.page_size
-        self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.slot][: len(keys) * per]))
+        self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.kv_row][: len(keys) * per]))
 
     def release(self, seq: Sequence) -> None:
         """``seq`` lets its row and pages go (its published chunks stay cached)."""
-        if seq.slot < 0:
+        if seq.kv_row < 0:
             return
-        self.pages.shrink(seq.slot, 0)
-        heapq.heappush(self._free_rows, seq.slot)
-        seq.slot = -1
+        self.pages.shrink(seq.kv_row, 0)
+        heapq.heappush(self._free_rows, seq.kv_row)
+        seq.kv_row = -1

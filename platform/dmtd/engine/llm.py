@@ -11,33 +11,26 @@ from typing import Any
 
 import torch
 
-from dmtd.engine import context_drafts
-from dmtd.engine.acceptance import check_drafts, pick_drafts
 from dmtd.engine.config import DMTDConfig, EngineConfig
-from dmtd.engine.draft_choice import DraftChoice
-from dmtd.engine.draft_gate import DraftGate
-from dmtd.engine.draft_policy import (
-    STEADY_CATCH_UP,
-    TAIL_PASS_OVERHEAD,
-    PassCosts,
-)
 from dmtd.engine.forks import Forks
 from dmtd.engine.logits_process import LogitsShaper
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
 from dmtd.engine.phrase_table import PhraseTable
+from dmtd.engine.requests import RequestState, SequenceView
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
 from dmtd.engine.scheduler import Scheduler, SchedulerOutput, TokenEvent
 from dmtd.engine.sequence import RequestError, SamplingParams, Sequence, SequenceStatus
+from dmtd.engine.verified import VerifiedCycles
 from dmtd.engine.verifier import Verifier, check_draft_vocab
 
 
-class LLMEngine(DraftChoice):
+class LLMEngine:
     """Continuous-batching DMTD engine over one model.
 
     ``add_request`` validates and queues; ``step`` runs one prefill or decode batch and returns one
-    :class:`StepOutput` per token it emitted; ``abort`` frees a request's slot at once. Requests with
+    :class:`StepOutput` per token it emitted; ``abort`` frees a request's cache row at once. Requests with
     ``exact`` run verified cycles: their tails are drafts (no output) and each head emits the accepted
     drafts plus the verifier's own token (``verifier``: the base model, or the variant's τ = 1 path).
     """
@@ -58,23 +51,16 @@ class LLMEngine(DraftChoice):
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.append(int(tokenizer.eos_token_id))
         self.eos_ids = set(eos)
-        self.seqs: dict[str, Sequence] = {}
+        self.requests: dict[str, RequestState] = {}  # each request's sequence, detokenizer, generator, drafts' q
+        self.seqs = SequenceView(self.requests)  # request id → its Sequence (read-only)
         self.shaper = LogitsShaper(tokenizer, model.config.vocab_size)  # penalties, logit bias, grammars, logprobs
         self.forks = Forks()  # requests that share a waiting sibling's prefill
-        self.forced_drafts = True  # a grammar's forced tokens are drafts of exact greedy requests (_forced_drafts)
-        self._detok: dict[str, Detokenizer] = {}
-        self._gens: dict[str, torch.Generator | None] = {}
-        self._draft_q: dict[str, list[torch.Tensor | None]] = {}
         self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
-        self.pass_costs = PassCosts()  # what the draft policy learns of this machine
-        self.draft_gate = DraftGate()  # whether drafts pay at all at the batch's size (measured, adaptive drafts)
-        # context drafts by n over every request so far, (drafted, accepted) by position: a new request's prior (a
-        # 2-token match that is right 1 time in 6 should not be tried a dozen times on every request to learn it)
-        self.context_by_pos: context_drafts.Counts = {}
         if phrase_table is not None and phrase_table.vocab_size != model.config.vocab_size:
             raise ValueError(f"phrase_table: made for a vocabulary of {phrase_table.vocab_size}, the model has "
                              f"{model.config.vocab_size}")
         self.phrase_table = phrase_table if self.cfg.phrase_drafts else None
+        self.cycles = VerifiedCycles(self, self.phrase_table)  # the exact profile's drafts: chosen, checked, counted
         if draft_vocab is not None:
             self.runner.set_draft_vocab(check_draft_vocab(draft_vocab, model.config.vocab_size, self.eos_ids))
 
@@ -116,20 +102,14 @@ class LLMEngine(DraftChoice):
         except RequestError:
             self.shaper.drop(req_id)
             raise
-        if params.exact and self.runner.verify_kv is None:
-            self.runner.enable_exact()
-            # before any draft is measured, a tail costs the share of weight bytes it reads, plus its pass's fixed
-            # costs: the flat prior (0.45) tied m = 1 with a plain step at the prior acceptance, so a fresh engine
-            # drafted only in its exploring cycles, whose catch-up passes are not measured (draft_policy)
-            self.pass_costs.tail_prior = min(self.pass_costs.tail_prior,
-                                             self.runner.draft_bytes_share() + TAIL_PASS_OVERHEAD)
-        self.seqs[req_id] = seq
-        self._detok[req_id] = Detokenizer(self.tokenizer) if self.tokenizer is not None else None  # type: ignore
+        if params.exact:
+            self.cycles.enable()
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        self._gens[req_id] = gen
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.requests[req_id] = RequestState(seq, detok, gen)
         return req_id
 
     def set_cycle_len(self, req_id: str, tau: int) -> None:
@@ -139,14 +119,12 @@ class LLMEngine(DraftChoice):
         self.seqs[req_id].cycle_len = tau
 
     def abort(self, req_id: str) -> bool:
-        """Cancel a request; its cache slot is free on return. False if it was unknown or done."""
-        seq = self.seqs.pop(req_id, None)
-        self._detok.pop(req_id, None)
-        self._gens.pop(req_id, None)
-        self._draft_q.pop(req_id, None)
-        self.shaper.drop(req_id)
-        if seq is None or seq.finished:
+        """Cancel a request; its cache row is free on return. False if it was unknown or done."""
+        req = self.requests.get(req_id)
+        self._forget(req_id)
+        if req is None or req.seq.finished:
             return False
+        seq = req.seq
         if self.forks.detach(req_id) is not None:  # it waited on a sibling's prefill: in no queue
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
             return True
@@ -170,7 +148,7 @@ class LLMEngine(DraftChoice):
         """The KV cache's counters: free rows, the pool's pages (in use, peak, cached), preemptions, and the prefix
         cache's lookups, hits and cached share (none without it)."""
         sch = self.scheduler
-        out: dict[str, float] = {"free_slots": sch.num_free_slots, "preempted": sch.num_preempted,
+        out: dict[str, float] = {"free_kv_rows": sch.num_free_kv_rows, "preempted": sch.num_preempted,
                                  **sch.pages.report()}
         if sch.prefix is not None:
             out.update(sch.prefix.report())
@@ -178,61 +156,56 @@ class LLMEngine(DraftChoice):
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule a batch, run its passes, postprocess their tokens into per-request outputs."""
         t_step = time.perf_counter()
         out = self.scheduler.schedule()
         for s in self.scheduler.take_preempted():  # their drafts went with their pages
-            self._draft_q.pop(s.req_id, None)
+            self.requests[s.req_id].draft_q = []
         if not out.seqs:
             return []
-        if out.is_prefill:
-            done, rows = [], []
-            for s in out.prefill:  # one by one: a prompt's chunks are published before the next one's run
-                self.scheduler.reuse(s)
-                rows.append(self._timed("prefill", self.runner.prefill, [s])[0])
-                done += self.scheduler.prefilled([s])
-            if not done:
-                return []
-            logits = torch.cat(rows)
-            out = SchedulerOutput(prefill=done)
-            out, logits = self.forks.fork(out, logits, self.scheduler, self.runner.cache)
-            results = self._sampled(out, logits)
-            conf = {o.req_id: o.confidence for o in results}
-            for s in out.prefill:
-                if s.params.exact:
-                    self._choose_drafts(s)
-                    uncertain = conf.get(s.req_id, 1.0) < s.params.min_confidence
-                    s.draft_done = s.max_drafts(self.cfg.max_model_len) == 0 or uncertain
-                    if s.status is SequenceStatus.RUNNING:
-                        self._forced_drafts(s)
-                    if s.status is SequenceStatus.RUNNING and not uncertain:
-                        self._context_drafts(s)
-            return results
-        gated = self.cfg.adaptive_drafts and self.cfg.batch_gate
-        if gated:
-            self.draft_gate.begin_step(len(out.decode))
-        results = self._decode(out, t_step)
-        if gated:
-            self.draft_gate.observe(len(out.decode), len(results), time.perf_counter() - t_step)
+        return self._prefill(out) if out.is_prefill else self._decode(out, t_step)
+
+    def _prefill(self, out: SchedulerOutput) -> list[StepOutput]:
+        """A prefill step: each prompt's next chunk; the prompts it finishes sample their first token."""
+        done, rows = [], []
+        for s in out.prefill:  # one by one: a prompt's chunks are published before the next one's run
+            self.scheduler.reuse(s)
+            rows.append(self.timed("prefill", self.runner.prefill, [s])[0])
+            done += self.scheduler.prefilled([s])
+        if not done:
+            return []
+        out, logits = self.forks.fork(SchedulerOutput(prefill=done), torch.cat(rows), self.scheduler,
+                                      self.runner.cache)
+        results = self._sampled(out, logits)
+        conf = {o.req_id: o.confidence for o in results}
+        for s in out.prefill:
+            if s.params.exact:
+                self.cycles.after_prefill(s, conf.get(s.req_id, 1.0))
         return results
 
     def _decode(self, out: SchedulerOutput, t_step: float) -> list[StepOutput]:
-        """A decode step: plain rows, rows drafting and rows checking, each kind in one pass."""
+        """A decode step: plain rows, rows drafting and rows checking, each kind in one pass. A step of one kind
+        costs the draft policy its whole wall time (the pass, picking or checking the tokens, the step's own
+        bookkeeping): each draft is a step of its own, and a policy that counted the pass alone drafted where the
+        steps' ~5 % more made a second draft not pay."""
+        gate = self.cycles.draft_gate if self.cfg.adaptive_drafts and self.cfg.batch_gate else None
+        if gate is not None:
+            gate.begin_step(len(out.decode))
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
         checking = [s for s in out.decode if s.params.exact and s.draft_done]
-        results = self._sampled(SchedulerOutput(decode=plain), self._timed("decode", self.runner.decode, plain)[0],
+        results = self._sampled(SchedulerOutput(decode=plain), self.timed("decode", self.runner.decode, plain)[0],
                                 False) if plain else []
-        # a step of one kind costs the draft policy its whole wall time (the pass, picking or checking the tokens,
-        # the step's own bookkeeping): each draft is a step of its own, and a policy that counted the pass alone
-        # drafted where the steps' ~5 % more made a second draft not pay
         if drafting:
-            results += self._draft(drafting, t_step if not (plain or checking) else None)
+            results += self.cycles.draft(drafting, t_step if not (plain or checking) else None)
         if checking:
-            results += self._check(checking, t_step if not (plain or drafting) else None)
+            results += self.cycles.check(checking, t_step if not (plain or drafting) else None)
         self.scheduler.num_decode_steps += 1
+        if gate is not None:
+            gate.observe(len(out.decode), len(results), time.perf_counter() - t_step)
         return results
 
-    def _timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor],
+    def timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor],
                seqs: list[Sequence]) -> tuple[torch.Tensor, float]:
         """Run a model pass, count it in ``pass_stats``; returns its output and its seconds."""
         t = time.perf_counter()
@@ -247,20 +220,20 @@ class LLMEngine(DraftChoice):
         """Sample one token per row of a prefill or plain decode batch, then apply the step."""
         seqs = out.seqs
         logits = self.shaper.rows(logits, seqs)
-        tokens, confs, finite = sample(logits, [s.params for s in seqs], [self._gens.get(s.req_id) for s in seqs])
+        tokens, confs, finite = sample(logits, [s.params for s in seqs], [self.requests[s.req_id].gen for s in seqs])
         for i, s in enumerate(seqs):
             self.shaper.record(s.req_id, s.params, logits[i: i + 1], tokens[i: i + 1])
-        results = self._fail([s for s, ok in zip(seqs, finite) if not ok])
+        results = self.fail([s for s, ok in zip(seqs, finite) if not ok])
         if len(results):
             keep = [i for i, ok in enumerate(finite) if ok]
             out = SchedulerOutput(prefill=[seqs[i] for i in keep] if out.is_prefill else [],
                                   decode=[] if out.is_prefill else [seqs[i] for i in keep])
             tokens, confs = [tokens[i] for i in keep], [confs[i] for i in keep]
         for ev in self.scheduler.postprocess(out, tokens, confs, self.eos_ids, advance_clock):
-            results.append(self._to_output(ev))
+            results.append(self.to_output(ev))
         return results
 
-    def _fail(self, seqs: list[Sequence]) -> list[StepOutput]:
+    def fail(self, seqs: list[Sequence]) -> list[StepOutput]:
         results = []
         for s in seqs:
             self.scheduler.finish(s, "error", "the model produced non-finite logits")
@@ -269,80 +242,10 @@ class LLMEngine(DraftChoice):
             self._forget(s.req_id)
         return results
 
-    def _draft(self, seqs: list[Sequence], since: float | None = None) -> list[StepOutput]:
-        """A tail step of verified cycles: one draft per row, nothing emitted. ``since``: when the step began, if
-        it drafts only (its whole time is the draft's cost), else the pass alone is."""
-        # positions each row's tail path catches up on in this pass: 1-2 while a request drafts every cycle, more
-        # when it resumes after plain steps (one pass over all of them, a one-off that costs about two drafts)
-        catch_up = max(s.draft_position - s.num_tail_cached + 1 for s in seqs)
-        t0 = time.perf_counter() if since is None else since
-        logits, dt = self._timed("draft", self.runner.draft, seqs)
-        d = pick_drafts(logits, self.runner.pass_draft_ids, [s.params for s in seqs],
-                        [self._gens.get(s.req_id) for s in seqs])
-        results = self._fail([s for s, ok in zip(seqs, d.finite) if not ok])
-        keep = [i for i, ok in enumerate(d.finite) if ok]
-        for i in keep:
-            self._draft_q.setdefault(seqs[i].req_id, []).append(d.q[i])
-        self.scheduler.postprocess_drafts([seqs[i] for i in keep], [d.tokens[i] for i in keep],
-                                          [d.confidences[i] for i in keep], self.eos_ids)
-        for i in keep:
-            if seqs[i].draft_done:
-                self._extend_drafts(seqs[i])
-        if catch_up <= STEADY_CATCH_UP:  # a resuming pass is no draft's steady cost: counted, it kept a request that
-            # had stopped drafting from ever resuming
-            self.pass_costs.observe_draft(len(seqs), time.perf_counter() - t0 if since is not None else dt,
-                                          len(self.scheduler.running))
-        return results
-
-    def _check(self, seqs: list[Sequence], since: float | None = None) -> list[StepOutput]:
-        """A head of verified cycles: check every row's drafts and emit its block (``since``: as for _draft)."""
-        logits, dt = self._timed("verify", self.runner.verify, seqs)
-        R = logits.shape[1]
-        results: list[StepOutput] = []
-        for i, s in enumerate(seqs):
-            rows, m = self.shaper.check_rows(logits[i, R - len(s.drafts) - 1:], s)
-            if m < len(s.drafts):  # the grammar forbids a draft: the drafts end with it
-                s.num_extended = max(0, s.num_extended - (len(s.drafts) - m))
-                del s.drafts[m:]
-            c = check_drafts(rows, s.drafts, self._draft_q.pop(s.req_id, [])[:m], self.runner.draft_ids, s.params,
-                             self._gens.get(s.req_id))
-            self.shaper.record(s.req_id, s.params, rows, c.tokens)
-            if not c.finite:
-                results += self._fail([s])
-                continue
-            generated, context = s.num_generated, s.context_ngram
-            tails, extended, ext_source = m - s.num_extended, s.num_extended, s.extension_source
-            self._choose_drafts(s)  # before the check is applied: it decides from the new target whether to draft
-            events = self.scheduler.postprocess_checked(s, c.tokens, c.num_accepted, c.confidences, self.eos_ids)
-            for j, ev in enumerate(events):
-                o = self._to_output(ev)
-                results.append(o)
-                if o.finished:
-                    if j < len(events) - 1:  # a stop string ended the block early: it holds what was emitted
-                        del s.token_ids[s.prompt_len + generated + j + 1:]
-                        o.block, o.block_confidences = c.tokens[: j + 1], c.confidences[: j + 1]
-                    # drafts accepted past the end (a stop string, a stop token) were never emitted
-                    self._unaccept(s, c.num_accepted, j + 1, context, tails, ext_source, extended)
-                    break
-            last, accepted = results[-1], min(c.num_accepted, len(results[-1].block or []))
-            last.num_drafted, last.num_accepted = m, accepted
-            if context:
-                last.num_context_drafted, last.num_context_accepted = m, accepted
-                context_drafts.count(self.context_by_pos, context, m, accepted)
-            elif extended:
-                last.num_context_drafted, last.num_context_accepted = extended, max(0, accepted - tails)
-                if accepted >= tails:
-                    context_drafts.count(self.context_by_pos, ext_source, extended, accepted - tails)
-            if not last.finished:
-                self._forced_drafts(s)
-            if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
-                self._context_drafts(s)
-        self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
-        return results
-
-    def _to_output(self, ev: TokenEvent) -> StepOutput:
-        seq = self.seqs[ev.req_id]
-        det = self._detok.get(ev.req_id)
+    def to_output(self, ev: TokenEvent) -> StepOutput:
+        """A token event as the request's output: its text delta (stop strings end the request), its logprob."""
+        req = self.requests[ev.req_id]
+        seq, det = req.seq, req.detok
         delta = ""
         if det is not None and ev.token_id >= 0 and not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):
             delta = det.push(ev.token_id)
@@ -378,12 +281,13 @@ class LLMEngine(DraftChoice):
         return best
 
     def _forget(self, req_id: str, keep_seq: bool = False) -> None:
-        self._gens.pop(req_id, None)
-        self._draft_q.pop(req_id, None)
+        """Drop a request's per-request state (all of it, or all but its sequence and text: a finished request's
+        result is read after its last output)."""
         self.shaper.drop(req_id)
         if not keep_seq:
-            self.seqs.pop(req_id, None)
-            self._detok.pop(req_id, None)
+            self.requests.pop(req_id, None)
+        elif req_id in self.requests:
+            self.requests[req_id].gen, self.requests[req_id].draft_q = None, []
 
     def release(self, req_id: str) -> None:
         """Drop a finished request's bookkeeping."""

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
+from dmtd.engine.draft_sources import FORCED as FORCED_SOURCE  # the draft source of a grammar's forced tokens
 from dmtd.engine.outputs import TokenLogprob
 from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
-
-FORCED_SOURCE = 1000  # the draft-source key (Sequence.context_ngram) of a grammar's forced tokens
 
 
 @dataclass(slots=True)
@@ -32,7 +31,7 @@ class _Shape:
     tokens (in the order their events come)."""
 
     matcher: Any = None
-    pending: deque[TokenLogprob] = field(default_factory=deque)
+    queued: deque[TokenLogprob] = field(default_factory=deque)
 
 
 def shapes(p: SamplingParams) -> bool:
@@ -130,7 +129,7 @@ class LogitsShaper:
         assert self._bytes is not None
         b = self._bytes
         for t, c, vs, ids in zip(tokens, chosen, top_v.tolist(), top_i.tolist()):
-            st.pending.append((t, b[t], c, [(i, b[i], v) for i, v in zip(ids, vs)]))
+            st.queued.append((t, b[t], c, [(i, b[i], v) for i, v in zip(ids, vs)]))
 
     def forced(self, req_id: str) -> list[int]:
         """The tokens the request's grammar forces from its state now (none without a grammar)."""
@@ -143,7 +142,7 @@ class LogitsShaper:
         st = self.states.get(req_id)
         if st is None:
             return None
-        entry = st.pending.popleft() if st.pending else None
+        entry = st.queued.popleft() if st.queued else None
         if token_id < 0:
             return None
         if st.matcher is not None:

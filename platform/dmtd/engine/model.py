@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dmtd.engine.config import ConfigError, DMTDConfig, ModelConfig
+from dmtd.engine.config import DMTDConfig, ModelConfig
 from dmtd.engine.decode_kernel import decode_layers
 from dmtd.engine.kv_cache import gather_pages
 from dmtd.engine.rope import apply_rope, rope_tables
@@ -79,9 +79,9 @@ class StepContext:
     sin: torch.Tensor
     attn_mask: torch.Tensor | None  # [B, 1, S, Lk] bool, True = attend; None = every key up to Lk
     read_len: int  # Lk
-    slots: torch.Tensor  # [B] int64: each row's cache row (its page-table row)
+    kv_rows: torch.Tensor  # [B] int64: each row's cache row (its page-table row)
     table: torch.Tensor  # [cache rows, pages] int64
-    write_slots: torch.Tensor  # [N] cache row of each valid new position
+    write_kv_rows: torch.Tensor  # [N] cache row of each valid new position
     write_pos: torch.Tensor  # [N] its position
     write_rows: torch.Tensor | None  # [N] flat index into B*S of each valid new position (None: all)
 
@@ -162,11 +162,11 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
     if ctx.write_rows is not None:
         new_k, new_v = new_k[ctx.write_rows], new_v[ctx.write_rows]
     P = k_cache.shape[2]
-    page, off = ctx.table[ctx.write_slots, ctx.write_pos // P], ctx.write_pos % P
+    page, off = ctx.table[ctx.write_kv_rows, ctx.write_pos // P], ctx.write_pos % P
     k_cache[page, :, off] = new_k
     v_cache[page, :, off] = new_v
-    keys = gather_pages(k_cache, ctx.table, ctx.slots, ctx.read_len)
-    values = gather_pages(v_cache, ctx.table, ctx.slots, ctx.read_len)
+    keys = gather_pages(k_cache, ctx.table, ctx.kv_rows, ctx.read_len)
+    values = gather_pages(v_cache, ctx.table, ctx.kv_rows, ctx.read_len)
     if S == 1:
         # Decode: group the query heads by their KV head and use two batched matmuls; far less
         # fixed overhead than SDPA for a single query row.
@@ -271,7 +271,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos, self.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         pos = ctx.write_pos
-        out = torch.ops.dmtd.rows_layers(x, *cols, ctx.table, cos[pos], sin[pos], ctx.write_slots, pos, cfg.num_heads,
+        out = torch.ops.dmtd.rows_layers(x, *cols, ctx.table, cos[pos], sin[pos], ctx.write_kv_rows, pos, cfg.num_heads,
                                          cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
         if ctx.write_rows is None:
             return out.view(B, S, H)
@@ -306,7 +306,7 @@ class Transformer(nn.Module):
             None if ws[0].k_norm is None else [w.k_norm for w in ws],
             proj[1], [w.ln2 for w in ws], proj[2], proj[3],
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
-            cos, sin, ctx.write_slots, ctx.write_pos, ctx.table, ctx.read_len, mask, cfg.num_heads, cfg.num_kv_heads,
+            cos, sin, ctx.write_kv_rows, ctx.write_pos, ctx.table, ctx.read_len, mask, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
             self.row_loop, self.attend_kernel and caches[start][0].dtype == torch.float32,
         )
@@ -353,7 +353,7 @@ class Transformer(nn.Module):
     def run_rows(self, h: torch.Tensor, start: int, end: int, caches: list[tuple[torch.Tensor, torch.Tensor]],
                  ctx: StepContext, weights: list[LayerWeights]) -> torch.Tensor:
         """Layers ``start..end`` over rows ``h`` [1, R, H] by ``dmtd::rows_layers``: row r is position
-        ``ctx.write_pos[r]`` of slot ``ctx.write_slots[r]`` (any number of rows, of any slots; the caller checked
+        ``ctx.write_pos[r]`` of kv_row ``ctx.write_kv_rows[r]`` (any number of rows, of any kv_rows; the caller checked
         ``rows_args``)."""
         if start == end:
             return h
@@ -383,66 +383,13 @@ class Transformer(nn.Module):
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face tensor names (``model.layers.N.self_attn.q_proj.weight`` …), fusing projections."""
-        cfg = self.config
-        own: dict[str, torch.Tensor] = {}
+        from dmtd.engine.hf_names import fused_state_dict
 
-        def take(name: str) -> torch.Tensor:
-            for key in (name, "model." + name):
-                if key in sd:
-                    return sd[key]
-            raise ConfigError(f"checkpoint is missing tensor {name!r}")
-
-        own["embed_tokens.weight"] = take("embed_tokens.weight")
-        own["norm.weight"] = take("norm.weight")
-        if self.lm_head is not None:
-            own["lm_head.weight"] = sd.get("lm_head.weight", own["embed_tokens.weight"]).t()
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            own[a + "qkv_proj.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).t()
-            if cfg.qkv_bias:
-                own[a + "qkv_proj.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-            own[a + "o_proj.weight"] = take(a + "o_proj.weight").t()
-            if cfg.qk_norm:
-                own[a + "q_norm.weight"] = take(a + "q_norm.weight")
-                own[a + "k_norm.weight"] = take(a + "k_norm.weight")
-            own[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            ).t()
-            own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight").t()
-            for n in ("input_layernorm", "post_attention_layernorm"):
-                own[p + n + ".weight"] = take(p + n + ".weight")
-        expected = {k: v.shape for k, v in self.state_dict().items()}
-        for k, t in own.items():
-            if tuple(t.shape) != tuple(expected[k]):
-                raise ConfigError(f"tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k])}")
-        self.load_state_dict({k: v.contiguous() for k, v in own.items()}, strict=True)
+        self.load_state_dict(fused_state_dict(self, sd), strict=True)
         self.lm_head_t, self._weights = None, None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`load_hf_state_dict` (unfused HF names), for checkpoints and tests."""
-        cfg = self.config
-        sd = self.state_dict()
-        out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
-        if self.lm_head is not None:
-            out["lm_head.weight"] = sd["lm_head.weight"].t()
-        q = cfg.num_heads * cfg.head_dim
-        kv = cfg.num_kv_heads * cfg.head_dim
-        for i in range(cfg.num_layers):
-            p, hp = f"layers.{i}.", f"model.layers.{i}."
-            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                fused = sd[p + f"self_attn.qkv_proj.{kind}"]
-                wq, wk, wv = (fused.t() if kind == "weight" else fused).split((q, kv, kv))
-                out[hp + f"self_attn.q_proj.{kind}"] = wq
-                out[hp + f"self_attn.k_proj.{kind}"] = wk
-                out[hp + f"self_attn.v_proj.{kind}"] = wv
-            out[hp + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"].t()
-            if cfg.qk_norm:
-                out[hp + "self_attn.q_norm.weight"] = sd[p + "self_attn.q_norm.weight"]
-                out[hp + "self_attn.k_norm.weight"] = sd[p + "self_attn.k_norm.weight"]
-            g, u = sd[p + "mlp.gate_up_proj.weight"].t().chunk(2)
-            out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = g, u
-            out[hp + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"].t()
-            for n in ("input_layernorm", "post_attention_layernorm"):
-                out[hp + n + ".weight"] = sd[p + n + ".weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+        from dmtd.engine.hf_names import hf_state_dict
+
+        return hf_state_dict(self)

@@ -14,20 +14,20 @@ _LIB = torch.library.Library("dmtd", "DEF")
 # y[..., N] = x[..., K] · Wᵀ for a packed weight W (mode 1 bf16, 2 int8 per-group, 3 int4 per-group).
 _LIB.define("linear(Tensor x, Tensor w, Tensor s, int mode) -> Tensor")
 # A draft's layers for one sequence's consecutive positions in one call (dmtd.engine.runner; float32 KV written into
-# the sequence's pages, table[slot]; kc/vc [pages, nkv, page_size, hd]).
+# the sequence's pages, table[kv_row]; kc/vc [pages, nkv, page_size, hd]).
 _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
-            "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, int slot, int read_len, int nh, int nkv, int hd, "
+            "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, int kv_row, int read_len, int nh, int nkv, int hd, "
             "float eps, int mode) -> Tensor")
-# Decode rows through a layer group (row r: position pos[r] of sequence slots[r], its pages table[slots[r]]; float32
+# Decode rows through a layer group (row r: position pos[r] of sequence kv_rows[r], its pages table[kv_rows[r]]; float32
 # KV written) in one call.
 _LIB.define("rows_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
-            "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, Tensor slots, Tensor pos, int nh, int nkv, int hd, "
-            "float eps, int mode) -> Tensor")
+            "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, Tensor kv_rows, Tensor pos, int nh, int nkv, "
+            "int hd, float eps, int mode) -> Tensor")
 # Decode rows' attention over the paged float32 KV cache, each row alone (kernels/attend.h): q [B, nh, hd] ->
 # [B, nh*hd].
-_LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor table, Tensor slots, Tensor lens, float scale) -> Tensor")
+_LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor table, Tensor kv_rows, Tensor lens, float scale) -> Tensor")
 # Each row's first argmax and its softmax probability (greedy picks and checks): logits [n, N] -> (idx, p).
 _LIB.define("top1(Tensor x) -> (Tensor, Tensor)")
 # The AVX2 products' software prefetch distance in bytes (0: none; kernels/lowbit.cpp); returns the one before.

@@ -12,18 +12,12 @@ from dataclasses import dataclass, field
 # the same for 2-token contexts; metadata: format, vocab_size
 PHRASE_TABLE_FORMAT = "dmtd-phrase-table-v1"
 N = 3  # context tokens a lookup keys on; N - 1 where the N-token context is not in the table
-# the table's sources for the draft policy: a 3-token context by the share of the first draft's continuation, or
-# a 2-token one; each source's acceptance is counted apart from the prompt's n-grams (n in CONTEXT_NGRAMS, all
-# positive), and apart again where the table goes on from the tails' drafts (extension_source)
-LONG_HIGH, LONG_LOW, SHORT = -1, -2, -3
+# the table's draft sources (dmtd.engine.draft_sources), by name: a 3-token context by the share of the first
+# draft's continuation, or a 2-token one; each counted apart from prompt lookup, and apart again where the table
+# goes on from the tails' drafts (draft_sources.after_tails)
+LONG_HIGH, LONG_LOW, SHORT = "phrase3-high", "phrase3-low", "phrase2"
 SOURCES = (LONG_HIGH, LONG_LOW, SHORT)
 HIGH_SHARE = 80  # percent: a 3-token context's continuation at least this often is LONG_HIGH
-
-
-def extension_source(source: int) -> int:
-    """The source key under which a source's tokens count when they go on from the tails' drafts (their acceptance
-    is conditional on the tails' being accepted, not that of a cycle drafted from the table alone)."""
-    return source - len(SOURCES)
 
 
 def pack(ctx: list[int] | tuple[int, ...], vocab_size: int) -> int:
@@ -44,7 +38,7 @@ class PhraseTable:
     def key(self, ctx: list[int] | tuple[int, ...]) -> int:
         return pack(ctx, self.vocab_size)
 
-    def lookup(self, ctx: list[int]) -> tuple[int, int] | None:
+    def lookup(self, ctx: list[int]) -> tuple[int, str] | None:
         """(next token, source) after the last N tokens of ``ctx``, else after its last N - 1, else None."""
         hit = self.entries.get(self.key(ctx[-N:])) if len(ctx) >= N else None
         if hit is not None:
@@ -52,14 +46,14 @@ class PhraseTable:
         hit = self.short.get(self.key(ctx[-(N - 1):])) if len(ctx) >= N - 1 else None
         return None if hit is None else (hit[0], SHORT)
 
-    def continuation(self, ids: list[int], k: int) -> tuple[list[int], int]:
+    def continuation(self, ids: list[int], k: int) -> tuple[list[int], str]:
         """Up to ``k`` tokens chained from the table after ``ids`` (each one's context: the tokens before it) and
-        the source of the first one; ``([], 0)`` where the context is not in the table."""
+        the source of the first one; ``([], "")`` where the context is not in the table."""
         if k <= 0:
-            return [], 0
+            return [], ""
         ctx = list(ids[-N:])
         out: list[int] = []
-        source = 0
+        source = ""
         while len(out) < k:
             hit = self.lookup(ctx)
             if hit is None:

@@ -41,7 +41,7 @@ class Prefill:
     if TYPE_CHECKING:  # the runner's own
         def logits(self, h: torch.Tensor) -> torch.Tensor: ...
         def enable_exact(self) -> None: ...
-        def _context(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext: ...
+        def _context(self, kv_rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext: ...
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -138,10 +138,10 @@ class Prefill:
         order = sorted(rows)
         ids = [t for i in order for t in seqs[i].token_ids[rows[i][0]: rows[i][1]]]
         pos = torch.tensor([p for i in order for p in range(*rows[i])], device=dev)
-        slots = torch.tensor([seqs[i].slot for i in order for _ in range(*rows[i])], device=dev)
+        kv_rows = torch.tensor([seqs[i].kv_row for i in order for _ in range(*rows[i])], device=dev)
         owner = torch.tensor([k for k, i in enumerate(order) for _ in range(*rows[i])], device=dev)
         none = torch.empty(0, device=dev)
-        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], self.cache.table, slots, pos,
+        ctx = StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows, pos,
                           None)  # rows_layers reads only the rows' cache rows and positions
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
         h_enc = m.run_rows(x, 0, d.thinking_start, self.kv, ctx, self.weights)
@@ -153,7 +153,8 @@ class Prefill:
         if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
             assert self.verify_kv is not None
             keep = torch.isin(owner, torch.tensor(exact, device=dev))
-            vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, slots[:0], ctx.table, slots[keep], pos[keep], None)
+            vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, kv_rows[:0], ctx.table, kv_rows[keep], pos[keep],
+                               None)
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),
                                       self.verifier.head_input)
             h = h.clone()
@@ -167,7 +168,7 @@ class Prefill:
         m, d = self.model, self.dmtd
         ids = torch.tensor([s.token_ids[start:end]], device=self.device)
         pos = torch.arange(start, end, device=self.device)[None]
-        ctx = self._context([s.slot], pos, None)
+        ctx = self._context([s.kv_row], pos, None)
         h_enc = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,

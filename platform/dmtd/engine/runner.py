@@ -182,12 +182,12 @@ class ModelRunner(Prefill):
             return pos, None
         return pos, offs[None, :] < torch.tensor(counts, device=dev)[:, None]
 
-    def _context(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext:
+    def _context(self, kv_rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext:
         """Context for rows at ``positions`` [B, S] (valid [B, S] marks real, non-padding entries)."""
         self.cache.sync()
         B, S = positions.shape
         dev = self.device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        kv_row_t = torch.tensor(kv_rows, dtype=torch.long, device=dev)
         read_len = int(positions.max()) + 1
         mask = None  # a single row at a single position attends to every key up to read_len
         if B > 1 or S > 1:
@@ -195,14 +195,14 @@ class ModelRunner(Prefill):
             mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         cos, sin = self.model.rope(positions)
         if valid is None:
-            write_slots, write_pos, rows = slot_t.repeat_interleave(S), positions.reshape(-1), None
+            write_kv_rows, write_pos, rows = kv_row_t.repeat_interleave(S), positions.reshape(-1), None
         else:
             rows = valid.reshape(-1).nonzero().squeeze(1)
-            write_slots = slot_t.repeat_interleave(S)[rows]
+            write_kv_rows = kv_row_t.repeat_interleave(S)[rows]
             write_pos = positions.reshape(-1)[rows]
         if cos.dtype != self.act_dtype:
             cos, sin = cos.to(self.act_dtype), sin.to(self.act_dtype)
-        return StepContext(cos, sin, mask, read_len, slot_t, self.cache.table, write_slots, write_pos, rows)
+        return StepContext(cos, sin, mask, read_len, kv_row_t, self.cache.table, write_kv_rows, write_pos, rows)
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -213,18 +213,18 @@ class ModelRunner(Prefill):
         """
         m, d, dev = self.model, self.dmtd, self.device
         assert self.cache.stash is not None
-        slots = [s.slot for s in seqs]
+        kv_rows = [s.kv_row for s in seqs]
         last = [s.draft_position for s in seqs]
         counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
         ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
         if self._fused is not None and len(seqs) == 1:  # one sequence: its layers in one call each group
             s, q = seqs[0], last[0]
-            x = self._draft_stack(m.embed_tokens(ids[0]).to(self.act_dtype), 0, d.thinking_start, s.slot, q)
+            x = self._draft_stack(m.embed_tokens(ids[0]).to(self.act_dtype), 0, d.thinking_start, s.kv_row, q)
             if counts[0] > 1:
-                x = torch.cat((self.cache.stash_read(s.slot, s.num_tail_cached, q), x))
-            h = self._draft_stack(x, d.decoding_start, d.num_layers, s.slot, q)
+                x = torch.cat((self.cache.stash_read(s.kv_row, s.num_tail_cached, q), x))
+            h = self._draft_stack(x, d.decoding_start, d.num_layers, s.kv_row, q)
             return self._draft_logits(m.norm.forward(h[-1:]), seqs)
-        ctx = self._context(slots, torch.tensor([[q] for q in last], device=dev), None)
+        ctx = self._context(kv_rows, torch.tensor([[q] for q in last], device=dev), None)
         x = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
                          self.draft_weights)
         if max(counts) > 1:
@@ -235,8 +235,8 @@ class ModelRunner(Prefill):
             x[:, -1] = tail[:, 0]
             for i, s in enumerate(seqs):
                 if counts[i] > 1:
-                    x[i, R - counts[i]: R - 1] = self.cache.stash_read(s.slot, s.num_tail_cached, last[i])
-            ctx = self._context(slots, pos, valid)
+                    x[i, R - counts[i]: R - 1] = self.cache.stash_read(s.kv_row, s.num_tail_cached, last[i])
+            ctx = self._context(kv_rows, pos, valid)
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.draft_weights)
         return self._draft_logits(m.norm.forward(h[:, -1]), seqs)
 
@@ -268,7 +268,7 @@ class ModelRunner(Prefill):
         _, self.pass_draft_ids, cols = self._context_head
         return torch.cat((logits.float(), h.float() @ cols), dim=-1)
 
-    def _draft_stack(self, h: torch.Tensor, start: int, end: int, slot: int, last: int) -> torch.Tensor:
+    def _draft_stack(self, h: torch.Tensor, start: int, end: int, kv_row: int, last: int) -> torch.Tensor:
         """Layers ``start..end`` of the draft path over rows ``h`` [R, H]: one sequence's positions
         ``last - R + 1 .. last`` (``dmtd::draft_layers``, the packed draft weights)."""
         if start == end:
@@ -281,7 +281,7 @@ class ModelRunner(Prefill):
         cos, sin = self.model.rope_cos, self.model.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         return torch.ops.dmtd.draft_layers(
-            h, *cols, self.cache.table, cos[pos], sin[pos], slot, last + 1, cfg.num_heads,
+            h, *cols, self.cache.table, cos[pos], sin[pos], kv_row, last + 1, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
 
     @torch.inference_mode()
@@ -300,7 +300,7 @@ class ModelRunner(Prefill):
         ids = torch.zeros(len(seqs), R, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, R - counts[i]:] = torch.tensor([s.token_ids[-1], *s.drafts])
-        ctx = self._context([s.slot for s in seqs], pos, valid)
+        ctx = self._context([s.kv_row for s in seqs], pos, valid)
         h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         h_think = m.run_layers(h_enc, d.thinking_start, d.decoding_start, ctx.cos, ctx.sin, self.kv, ctx,
@@ -310,26 +310,26 @@ class ModelRunner(Prefill):
         h = m.run_layers(xv, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.verify_kv, ctx,
                          self.verify_weights)
         xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
-        self.cache.stash_write(ctx.write_slots, ctx.write_pos, xt if ctx.write_rows is None else xt[ctx.write_rows])
+        self.cache.stash_write(ctx.write_kv_rows, ctx.write_pos, xt if ctx.write_rows is None else xt[ctx.write_rows])
         return self.logits(h)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One position per row; heads refill and run the thinking group. Logits [B, V]."""
         m, d, dev = self.model, self.dmtd, self.device
-        slots = [s.slot for s in seqs]
+        kv_rows = [s.kv_row for s in seqs]
         pos = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=dev)
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=dev)
-        ctx = self._context(slots, pos, None)
+        ctx = self._context(kv_rows, pos, None)
         h_enc = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
         heads = [i for i, s in enumerate(seqs) if s.next_is_head]
         tails = [i for i, s in enumerate(seqs) if not s.next_is_head]
         x = h_enc
         if tails:
-            t_slots = torch.tensor([slots[i] for i in tails], device=dev)
-            t_idx = torch.tensor([seqs[i].num_pending for i in tails], device=dev)
-            self.cache.pending[t_slots, t_idx] = h_enc[torch.tensor(tails, device=dev), 0]
+            t_kv_rows = torch.tensor([kv_rows[i] for i in tails], device=dev)
+            t_idx = torch.tensor([seqs[i].num_to_refill for i in tails], device=dev)
+            self.cache.tail_enc[t_kv_rows, t_idx] = h_enc[torch.tensor(tails, device=dev), 0]
         if heads:
             h_think = self._refill([seqs[i] for i in heads], h_enc[heads])
             x = h_enc.clone()
@@ -359,7 +359,7 @@ class ModelRunner(Prefill):
     def _refill(self, seqs: list[Sequence], h_head: torch.Tensor) -> torch.Tensor:
         """Thinking group over each head row's pending tails + the head, right-aligned. → [n, 1, H]."""
         dev = self.device
-        n_new = [s.num_pending + 1 for s in seqs]
+        n_new = [s.num_to_refill + 1 for s in seqs]
         R = max(n_new)
         if R == 1:
             inp = h_head
@@ -370,9 +370,9 @@ class ModelRunner(Prefill):
             inp[:, -1] = h_head[:, 0]
             for i, s in enumerate(seqs):
                 if n_new[i] > 1:
-                    inp[i, R - n_new[i]: R - 1] = self.cache.pending[s.slot, : n_new[i] - 1]
+                    inp[i, R - n_new[i]: R - 1] = self.cache.tail_enc[s.kv_row, : n_new[i] - 1]
             pos, valid = self._right_aligned([s.position for s in seqs], n_new)
-        ctx = self._context([s.slot for s in seqs], pos, valid)
+        ctx = self._context([s.kv_row for s in seqs], pos, valid)
         out = self.model.run_layers(inp, self.dmtd.thinking_start, self.dmtd.decoding_start, ctx.cos, ctx.sin,
                                     self.kv, ctx, self.weights)
         return out[:, -1:]

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dmtd.engine.config import DMTDConfig
-from dmtd.engine.draft_policy import count_cycle
+from dmtd.engine.draft_sources import TAILS
 from dmtd.engine.kv_manager import CapacityError, KVCacheManager
 from dmtd.engine.kv_pages import KVPages
 from dmtd.engine.prefix_cache import PrefixCache
@@ -49,10 +49,10 @@ class TokenEvent:
 
 
 class Scheduler:
-    """Admits and retires sequences at any step; one KV-cache slot (a row of the page table) per sequence from its
+    """Admits and retires sequences at any step; one KV-cache kv_row (a row of the page table) per sequence from its
     admission, and the KV pages of the positions it writes (:mod:`dmtd.engine.kv_pages`).
 
-    A sequence is admitted when its prompt's pages are free (or held by free slots' cached prompts, which are dropped
+    A sequence is admitted when its prompt's pages are free (or held by free kv_rows' cached prompts, which are dropped
     oldest first), with a page of growth left for each running sequence. Before a decode step every running
     sequence gets the pages of the positions the step may write; where the pool runs dry the newest sequence is
     preempted — its pages freed, itself queued first, to be prefilled again over its prompt and its tokens so far
@@ -97,7 +97,7 @@ class Scheduler:
         return self.kv.prefix
 
     @property
-    def num_free_slots(self) -> int:
+    def num_free_kv_rows(self) -> int:
         return self.kv.num_free_rows
 
     @property
@@ -160,14 +160,14 @@ class Scheduler:
                 self.preempt(max(self.running + self.prefilling, key=lambda s: s.seq_no))
 
     def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s slot and pages and queue it first: it is prefilled again over its prompt and the tokens it
+        """Free ``seq``'s kv_row and pages and queue it first: it is prefilled again over its prompt and the tokens it
         has so far, and goes on from there (its emitted tokens stay emitted)."""
         (self.prefilling if seq in self.prefilling else self.running).remove(seq)
         self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_prefilled = seq.prefill_end = 0
         seq.resume_len = seq.num_tokens - 1
-        seq.drafts, seq.draft_done, seq.context_ngram, seq.num_extended = [], False, 0, 0
+        seq.clear_drafts()
         seq.num_preempted += 1
         self.num_preempted += 1
         self.waiting.appendleft(seq)
@@ -206,23 +206,23 @@ class Scheduler:
                 seq.draft_done = seq.params.exact and seq.max_drafts(self.max_model_len) == 0
                 self.prefilling.remove(seq)
                 self.running.append(seq)
-                self.running.sort(key=lambda s: s.slot)
+                self.running.sort(key=lambda s: s.kv_row)
             elif seq.num_prefilled == seq.num_tokens:
                 self.prefilling.remove(seq)
                 self.running.append(seq)
                 done.append(seq)
         if done:
-            self.running.sort(key=lambda s: s.slot)
+            self.running.sort(key=lambda s: s.kv_row)
         return done
 
     def admit_prefilled(self, seq: Sequence) -> bool:
-        """Run a sequence whose prompt KV another slot's prefill made (dmtd.engine.forks): a slot now, or False."""
+        """Run a sequence whose prompt KV another kv_row's prefill made (dmtd.engine.forks): a kv_row now, or False."""
         if not self.kv.admit_prefilled(seq):
             return False
         seq.num_prefilled = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self.running.sort(key=lambda s: s.slot)
+        self.running.sort(key=lambda s: s.kv_row)
         return True
 
     def postprocess(self, out: SchedulerOutput, tokens: list[int], confidences: list[float],
@@ -294,7 +294,7 @@ class Scheduler:
         """
         for seq, tok, conf in zip(seqs, tokens, confidences):
             seq.num_tail_cached = seq.draft_position + 1  # the tail wrote its KV at the position it fed
-            seq.drafts.append(tok)
+            seq.add_drafts([tok], TAILS)
             if (seq.stops_at(tok, eos_ids) or conf < seq.params.min_confidence
                     or len(seq.drafts) >= seq.max_drafts(self.max_model_len)):
                 seq.draft_done = True
@@ -305,26 +305,10 @@ class Scheduler:
         one block, and roll back the rest — the rejected positions' KV is rewritten before it is read again.
         A verifier token below ``min_confidence`` skips the next cycle's drafting (its head comes next).
         """
-        m = len(seq.drafts)
         head = seq.position + num_accepted  # the position whose verifier logits gave the last token
         seq.num_tail_cached = min(seq.num_tail_cached, head)  # the head's tail KV needs head routing
         seq.num_think_cached = head + 1
-        seq.num_drafted += m
-        seq.num_accepted += num_accepted
-        if seq.context_ngram:  # by position counted apart (by n): the tails' own acceptance decides their drafts
-            seq.num_context_drafted += m
-            seq.num_context_accepted += num_accepted
-            drafted, accepted = seq.context_by_pos.setdefault(seq.context_ngram, ([], []))
-            count_cycle(drafted, accepted, m, num_accepted)
-        else:  # the tails' drafts, then the phrase table's going on from them (counted where all tails' were right)
-            t, e = m - seq.num_extended, seq.num_extended
-            count_cycle(seq.drafted_by_pos, seq.accepted_by_pos, t, min(num_accepted, t))
-            seq.num_context_drafted += e
-            if e and num_accepted >= t:
-                seq.num_context_accepted += num_accepted - t
-                drafted, accepted = seq.context_by_pos.setdefault(seq.extension_source, ([], []))
-                count_cycle(drafted, accepted, e, num_accepted - t)
-        seq.drafts, seq.draft_done, seq.context_ngram, seq.num_extended = [], False, 0, 0
+        seq.clear_drafts()  # the engine counts the cycle's drafts (dmtd.engine.draft_sources.DraftLedger)
         events = []
         for j, (tok, conf) in enumerate(zip(tokens, confidences)):
             is_head = j == len(tokens) - 1
@@ -363,7 +347,7 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Retire a sequence (finished, cancelled or failed) and free its slot at once."""
+        """Retire a sequence (finished, cancelled or failed) and free its kv_row at once."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -371,6 +355,6 @@ class Scheduler:
             self.kv.release(seq)  # its published chunks stay cached
         else:
             self.waiting.remove(seq)
-        seq.slot = -1
+        seq.kv_row = -1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.error = reason, error

@@ -102,7 +102,7 @@ class Sequence:
     cycle_len: int
     prompt_len: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    slot: int = -1
+    kv_row: int = -1  # its row of the KV cache's page table (dmtd.engine.kv_manager); -1: none
     num_think_cached: int = 0
     next_head_pos: int = 0
     block: list[int] = field(default_factory=list)
@@ -116,7 +116,7 @@ class Sequence:
     context_vocab: set[int] = field(default_factory=set)  # context ids outside the draft vocabulary (runner.draft)
     context_vocab_seen: int = 0  # token_ids looked at for them so far
     num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
-    num_prefilled: int = 0  # prompt positions whose KV is in the slot (chunked prefill)
+    num_prefilled: int = 0  # prompt positions whose KV is in its pages (chunked prefill)
     prefill_end: int = 0  # the current prefill step computes positions num_prefilled .. prefill_end - 1
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache, not computed
     prefix_keys: list[bytes] = field(default_factory=list)  # the prompt's whole chunks' keys (prefix cache)
@@ -131,18 +131,12 @@ class Sequence:
     draft_target: int | None = None  # this cycle's draft count chosen by the engine's policy (None: τ − 1)
     drafted_by_pos: list[int] = field(default_factory=list)  # per tail position within a cycle
     accepted_by_pos: list[int] = field(default_factory=list)
-    # context drafts (exact profile, greedy): this cycle's drafts repeat what followed the latest earlier occurrence
-    # of the context's last n tokens (prompt lookup; n in CONTEXT_NGRAMS), or the variant's phrase table's tokens
-    # after them (dmtd.engine.phrase_table), instead of coming from the tails
-    # source of this cycle's context drafts: n (prompt lookup), < 0 the phrase table's band; 0: the tails'
-    context_ngram: int = 0
-    # the phrase table's drafts appended to this cycle's tail drafts (dmtd.engine.context_drafts.extension), and
-    # their source (dmtd.engine.phrase_table.extension_source): the last num_extended of drafts
-    num_extended: int = 0
-    extension_source: int = 0
-    num_context_drafted: int = 0  # every draft not from the tails (prompt lookup, the phrase table)
+    # the source of each of this cycle's drafts (dmtd.engine.draft_sources: the tails, prompt lookup, the phrase
+    # table, a grammar's forced tokens), one name per draft
+    draft_sources: list[str] = field(default_factory=list)
+    num_context_drafted: int = 0  # every draft not from the tails (prompt lookup, the phrase table, forced tokens)
     num_context_accepted: int = 0
-    context_by_pos: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # source → (drafted, accepted)
+    context_by_pos: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # source → (drafted, accepted)
     ngram_ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram → index of its latest last token
     ngram_indexed: int = 0  # the n-grams ending before this index are in ngram_ends
     finish_reason: str | None = None
@@ -170,7 +164,7 @@ class Sequence:
         return self.position == self.next_head_pos
 
     @property
-    def num_pending(self) -> int:
+    def num_to_refill(self) -> int:
         """Tail positions whose thinking-layer KV awaits refill."""
         return self.position - self.num_think_cached
 
@@ -178,6 +172,19 @@ class Sequence:
     def draft_position(self) -> int:
         """Position the next draft step feeds (verified cycles)."""
         return len(self.token_ids) - 1 + len(self.drafts)
+
+    def add_drafts(self, tokens: list[int], source: str) -> None:
+        """Append drafts proposed by ``source`` (dmtd.engine.draft_sources)."""
+        self.drafts += tokens
+        self.draft_sources += [source] * len(tokens)
+
+    def trim_drafts(self, m: int) -> None:
+        """Keep the first ``m`` drafts."""
+        del self.drafts[m:], self.draft_sources[m:]
+
+    def clear_drafts(self) -> None:
+        """A new cycle: no drafts yet, drafting not done."""
+        self.drafts, self.draft_sources, self.draft_done = [], [], False
 
     def stops_at(self, tok: int, eos_ids: set[int]) -> bool:
         """Whether ``tok`` ends this request: one of its stop tokens, or an EOS id unless it ignores EOS."""

@@ -133,7 +133,7 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
 def encode_prompt(engine: LLMEngine, req: ReplicaRequest) -> list[int]:
     """The prompt's token ids, on the engine's thread in the same job as the request's admission: a job of
     its own queued behind the running step, so the request missed the next step too (one step more of
-    TTFT, and its slot idle for that step, under load)."""
+    TTFT, and its cache row idle for that step, under load)."""
     name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
     prompt: Any = req.messages or req.prompt_token_ids or req.prompt
     try:

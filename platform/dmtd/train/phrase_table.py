@@ -78,14 +78,17 @@ def _contexts(records: list[Record], vocab_size: int, min_count: int, min_share:
     return dict(zip(ctx[keep].tolist(), zip(nxt[keep].tolist(), pct.tolist())))
 
 
-def evaluate(table: PhraseTable, records: list[Record]) -> dict[int, tuple[int, int]]:
+ALL = "all"  # evaluate's key of every position
+
+
+def evaluate(table: PhraseTable, records: list[Record]) -> dict[str, tuple[int, int]]:
     """Source (dmtd.engine.phrase_table.SOURCES) → (positions where the table names a token from it, of them
-    right) over ``records``' answers; source 0: every position, (positions, 0)."""
-    out = {0: [0, 0], **{s: [0, 0] for s in SOURCES}}
+    right) over ``records``' answers; ``ALL``: every position, (positions, 0)."""
+    out = {ALL: [0, 0], **{s: [0, 0] for s in SOURCES}}
     for r in records:
         ids = answer_ids(r)
         for i in range(N, len(ids)):
-            out[0][0] += 1
+            out[ALL][0] += 1
             hit = table.lookup(ids[i - N: i])
             if hit is not None:
                 out[hit[1]][0] += 1
@@ -137,7 +140,7 @@ def run_phrase_table(args: argparse.Namespace) -> int:
     held = [r for c in corpora for r in c.split("heldout") if r.temperature == 0.0]
     table = build(train, vocab, args.min_count, args.min_share)
     found = evaluate(table, held)
-    pos = max(found.pop(0)[0], 1)
+    pos = max(found.pop(ALL)[0], 1)
     named, right = sum(n for n, _ in found.values()), sum(r for _, r in found.values())
     print(f"{len(table.entries)} contexts of {N} tokens and {len(table.short)} of {N - 1} from {len(train)} training "
           f"answers; on {len(held)} held-out greedy answers the table names the next token at {named}/{pos} positions "
