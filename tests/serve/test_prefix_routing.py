@@ -14,6 +14,7 @@ import pytest
 
 from dmtd.client import DMTDClient
 from dmtd.serve.prefix_router import InFlight, PrefixIndex, prompt_text, text_keys
+from dmtd.serve.routing_bench import route_decisions
 from tests.serve.conftest import VARIANT, free_port
 
 SYSTEMS = [" ".join(f"Policy {p}.{i}: reply politely and concisely about subject {i * 3 + p}." for i in range(40))
@@ -34,6 +35,7 @@ def two_replicas(stack):
                       "replicas": 2}],
         "grpc_port": port, "max_num_seqs": 4, "max_model_len": 1024, "registry_url": stack.registry_url,
         "replica_num_cpus": 0.5, "omp_wait_policy": "PASSIVE", "routing": "prefix",
+        "metrics_port": free_port(), "replica_metrics_port": free_port(),
     })
     serve.run(app, name="dmtd-two", route_prefix="/two")
     yield f"127.0.0.1:{port}"
@@ -61,6 +63,16 @@ def test_requests_follow_their_prefix_and_prefixes_spread(two_replicas):
     assert cached / prompt >= 0.6  # whole chunks of 128 of ~480-token prompts: ~0.8 when every one hits
     share = Counter(r for _, r, _, _ in got)
     assert max(share.values()) <= 0.75 * len(got)
+
+
+def test_the_gateway_counts_decisions_by_reason(two_replicas):
+    """The decisions above reach the gateway's metrics (the router class Serve hands the gateway is a copy whose
+    module globals are not the ones the gateway's listener was added to)."""
+    from ray import serve
+
+    url = serve.get_deployment_handle("Gateway", app_name="dmtd-two").info.remote().result()["metrics_url"]
+    got = route_decisions(url)
+    assert got.get("new_prefix", 0) >= len(SYSTEMS) and got.get("prefix", 0) >= 6, got
 
 
 def test_a_burst_of_new_prefixes_spreads_over_both_replicas(two_replicas):

@@ -18,6 +18,7 @@ Replicas that leave (scaled down, died) are dropped from the index. Decisions ar
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -30,6 +31,17 @@ MAX_KEYS = 200_000  # keys kept (least recently used dropped): ~50 M characters 
 REASONS = ("prefix", "new_prefix", "load")
 DECISIONS: Counter[tuple[str, str]] = Counter()  # (deployment, reason) → decisions, in this process
 LISTENERS: list[Callable[[str, str], None]] = []  # told of each decision (deployment, reason): the gateway's metrics
+
+
+def record_decision(deployment: str, reason: str) -> None:
+    """Count a decision and tell the listeners, in this module as the process imported it: the router class Serve
+    hands a process can be a copy carrying its own copy of this module's globals (the gateway's listener, added to
+    the imported module, never heard of a decision)."""
+    shared = sys.modules.get(__name__)
+    counts, listeners = (shared.DECISIONS, shared.LISTENERS) if shared is not None else (DECISIONS, LISTENERS)
+    counts[(deployment, reason)] += 1
+    for listen in listeners:
+        listen(deployment, reason)
 
 
 def prompt_text(req: Any) -> str:
@@ -164,9 +176,7 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             best, reason = "", "new_prefix"
         if reason != "prefix":
             best = min(by_id, key=lambda r: (load[r], self.index.num_prefixes(r), r))
-        DECISIONS[(self.name, reason)] += 1
-        for listen in LISTENERS:
-            listen(self.name, reason)
+        record_decision(self.name, reason)
         self.index.insert(keys, best)
         self._assign(pending_request, best)
         rest = sorted((r for r in by_id if r != best), key=lambda r: (load[r], r))
