@@ -37,7 +37,7 @@ def chat_records(root: Path, prompts: list[str]) -> list[Record]:
     records, drafted, accepted = [], 0, 0
     for i, p in enumerate(prompts):
         ids = eng.encode([{"role": "user", "content": p}])
-        r = eng.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=128, cycle_len=2, exact=True))[0]
+        r = eng.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=128, tau=2, exact=True))[0]
         records.append(Record(i, i, "heldout", 0.0, 0, ids, r.token_ids[len(ids):], r.finish_reason or "length"))
         drafted, accepted = drafted + r.num_drafted, accepted + r.num_accepted
     print(f"{root} exact profile, τ = 2, bf16: {accepted}/{drafted} drafts accepted "

@@ -88,7 +88,7 @@ def main() -> None:
     jobs = [([{"role": "user", "content": ask}], what) for what, _, ask in cases]
 
     def params(what: str, exact: bool) -> SamplingParams:
-        return SamplingParams(max_new_tokens=args.max_new_tokens, cycle_len=args.tau if exact else 1, exact=exact,
+        return SamplingParams(max_new_tokens=args.max_new_tokens, tau=args.tau if exact else 1, exact=exact,
                               grammar=grammars[what])
 
     ref, without, with_forced = [], [], []

@@ -40,7 +40,7 @@ def tiny_model(seed: int = 0, **kw: object) -> Transformer:
 def tiny_engine(model: Transformer, dmtd: DMTDConfig, max_num_seqs: int = 8, max_model_len: int = 256,
                 dtype: str = "float32", align_phases: bool = True) -> LLMEngine:
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype, align_phases=align_phases)
-    return LLMEngine(model, None, dmtd, cfg, default_cycle_len=1, eos_token_ids=[])
+    return LLMEngine(model, None, dmtd, cfg, default_tau=1, eos_token_ids=[])
 
 
 @pytest.fixture(scope="session")

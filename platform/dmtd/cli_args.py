@@ -96,5 +96,5 @@ def check_generation_args(args: argparse.Namespace) -> None:
     from dmtd.engine.sequence import SamplingParams
 
     SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, cycle_len=args.tau,
+                   seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, tau=args.tau,
                    min_confidence=0.0 if args.min_confidence is None else args.min_confidence)

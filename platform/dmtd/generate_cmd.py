@@ -58,7 +58,7 @@ def generate(args: argparse.Namespace) -> int:
     profile = args.profile or (spec.variant.default_profile if spec.variant is not None else "dmtd")
     params = SamplingParams(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, cycle_len=tau,
+        seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop, tau=tau,
         min_confidence=args.min_confidence if args.min_confidence is not None
         else spec.draft_threshold if profile == "exact" else spec.min_confidence,
         exact=profile == "exact",
@@ -91,7 +91,7 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
     """One request of ``dmtd generate`` on a local engine: stream it, report it, compare it with τ = 1 (for the
     exact profile: the base model, ``base_engine``, decoding the same request)."""
     base_engine = base_engine or engine
-    tau = params.cycle_len
+    tau = params.tau
     if args.compare_tau1:  # warm the engine up so the first measured run pays no one-time costs: 16 tokens run
         # each check width twice or more (a shape's first passes cost several plain steps: TorchScript profiles them)
         _stream_local(engine, prompt_ids, dataclasses.replace(params, max_new_tokens=16), echo=False)
@@ -102,7 +102,7 @@ def _generate_local(engine: Any, prompt_ids: list[int], params: Any, args: argpa
         # the same request at τ = 1 (every position a head), measured the same way; for the exact profile on the
         # base model's own engine (--variant none). With --repeat the two alternate.
         own = base_engine is engine
-        base = dataclasses.replace(params, cycle_len=1, min_confidence=0.0, exact=params.exact and own)
+        base = dataclasses.replace(params, tau=1, min_confidence=0.0, exact=params.exact and own)
         if not own:
             _stream_local(base_engine, prompt_ids, dataclasses.replace(base, max_new_tokens=16), echo=False)
         refs.append(_stream_local(base_engine, prompt_ids, base, echo=False))

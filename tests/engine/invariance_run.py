@@ -74,7 +74,7 @@ def run(dtype: str, quant: str, dmtd: DMTDConfig, batch: list[tuple[list[int], S
     var, verifier = variant_of(base, 0.02, 5)
     var, verifier = in_dtype(var, verifier, dtype)
     engine = LLMEngine(var, None, dmtd, EngineConfig(max_num_seqs=64, max_model_len=256, dtype=dtype, quant=quant),
-                       default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+                       default_tau=1, eos_token_ids=[], verifier=verifier)
     rec = Recorder(engine)
     ids = [engine.add_request(p, params) for p, params in batch]
     res: dict[str, list[int]] = {}
@@ -93,7 +93,7 @@ def companions(n: int, rng: random.Random) -> list[tuple[list[int], SamplingPara
     for i in range(n):
         prompt = prompts_of([rng.randint(1, 40)], rng.randint(0, 10_000))[0]
         sampled = rng.random() < 0.3
-        out.append((prompt, SamplingParams(max_new_tokens=rng.randint(1, 16), cycle_len=rng.randint(1, 4),
+        out.append((prompt, SamplingParams(max_new_tokens=rng.randint(1, 16), tau=rng.randint(1, 4),
                                            exact=rng.random() < 0.5, min_confidence=rng.choice([0.0, 0.3]),
                                            temperature=0.8 if sampled else 0.0, seed=i if sampled else None)))
     return out
@@ -102,9 +102,9 @@ def companions(n: int, rng: random.Random) -> list[tuple[list[int], SamplingPara
 def main() -> None:
     lowbit.load_kernels()
     rng = random.Random(0)
-    targets = [SamplingParams(max_new_tokens=20, cycle_len=1), SamplingParams(max_new_tokens=20, cycle_len=3,
+    targets = [SamplingParams(max_new_tokens=20, tau=1), SamplingParams(max_new_tokens=20, tau=3,
                                                                               exact=True),
-               SamplingParams(max_new_tokens=20, cycle_len=2)]
+               SamplingParams(max_new_tokens=20, tau=2)]
     prompt = prompts_of([13], 7)[0]
     cases, diffs = 0, []
     # (dtype, quant, phase anchor, batch sizes, targets): bf16 at full width, the low-bit formats narrower
@@ -120,7 +120,7 @@ def main() -> None:
                 batch.insert(k, (prompt, t))
                 tokens, rows = run(dtype, quant, dmtd, batch, k)
                 cases += 1
-                what = f"{dtype}/{quant} {anchor} τ={t.cycle_len} exact={t.exact} in {n} at {k}"
+                what = f"{dtype}/{quant} {anchor} τ={t.tau} exact={t.exact} in {n} at {k}"
                 if tokens != alone_tokens:
                     diffs.append(f"{what}: tokens {tokens} != alone {alone_tokens}")
                 elif len(rows) != len(alone_rows) or not all(torch.equal(a, b) for a, b in zip(rows, alone_rows)):

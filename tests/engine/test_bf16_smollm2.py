@@ -52,7 +52,7 @@ def test_bf16_dmtd_refill_matches_the_masked_forward_within_bf16_tolerance(smoll
     prompts = ["The history of the printing press", "def fibonacci(n):", "My favourite recipe for soup is"]
     agree = total = 0
     for tau in (2, 3):
-        for res in engine.generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=tau, ignore_eos=True)):
+        for res in engine.generate(prompts, SamplingParams(max_new_tokens=24, tau=tau, ignore_eos=True)):
             ref = reference_logits(smollm2.model, dmtd, res.prompt_token_ids, res.token_ids, res.head_flags,
                                    tau).float()
             top = ref.argmax(-1).tolist()

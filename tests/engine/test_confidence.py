@@ -14,7 +14,7 @@ def run(min_conf: float, tau: int, anchor: str = "prompt_end", seed: int = 5):
     model = tiny_model(seed=seed)
     dmtd = DMTDConfig(0, 4, 2, tau_max=4, phase_anchor=anchor, head_input="residual_add")
     prompt = list(range(3, 15))
-    res = tiny_engine(model, dmtd).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=tau,
+    res = tiny_engine(model, dmtd).generate([prompt], SamplingParams(max_new_tokens=30, tau=tau,
                                                                      min_confidence=min_conf))[0]
     return model, dmtd, prompt, res
 
@@ -75,12 +75,12 @@ def test_cycle_length_change_takes_effect_at_next_head():
     model = tiny_model(seed=2)
     dmtd = DMTDConfig(0, 4, 2, tau_max=4)
     engine = tiny_engine(model, dmtd)
-    rid = engine.add_request(list(range(10)), SamplingParams(max_new_tokens=20, cycle_len=4))
+    rid = engine.add_request(list(range(10)), SamplingParams(max_new_tokens=20, tau=4))
     heads = []
     while engine.has_unfinished():
         for o in engine.step():
             heads.append(o.is_head)
             if len(heads) == 2:
-                engine.set_cycle_len(rid, 2)
+                engine.retune(rid, tau=2)
     # first cycle keeps τ=4 (heads at 0, 4), then every 2
     assert heads[:8] == [True, False, False, False, True, False, True, False]

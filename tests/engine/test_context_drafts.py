@@ -28,16 +28,16 @@ def _brute(ids: list[int], k: int, n: int) -> list[int]:
 
 
 def test_the_continuation_follows_the_latest_earlier_occurrence():
-    seq = Sequence("r", [1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(), cycle_len=3)
+    seq = Sequence("r", [1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(), tau=3)
     assert seq.context_continuation(2, 3) == [4, 5]
     seq.token_ids += [7, 1, 2, 3]  # a later occurrence of 1 2 3 now comes first
     assert seq.context_continuation(3, 3) == [7, 1, 2]
     seq.token_ids += [9, 2, 3]  # 9 2 3 never came before; 2 3 did
     assert seq.context_continuation(3, 3) == [] and seq.context_continuation(3, 2) == [9, 2, 3]
     assert seq.context_continuation(0, 2) == []
-    alone = Sequence("s", [1, 2, 3, 4], SamplingParams(), cycle_len=3)
+    alone = Sequence("s", [1, 2, 3, 4], SamplingParams(), tau=3)
     assert alone.context_continuation(4, 3) == []  # the suffix is not its own match
-    overlapping = Sequence("t", [5, 5, 5, 5], SamplingParams(), cycle_len=3)
+    overlapping = Sequence("t", [5, 5, 5, 5], SamplingParams(), tau=3)
     assert overlapping.context_continuation(4, 3) == [5]  # the continuation runs up to the context's end
 
 
@@ -45,7 +45,7 @@ def test_the_continuation_follows_the_latest_earlier_occurrence():
 @given(ids=st.lists(st.integers(0, 3), min_size=1, max_size=40), grow=st.lists(st.integers(0, 3), max_size=12),
        k=st.integers(0, 5), n=st.sampled_from(CONTEXT_NGRAMS))
 def test_the_incremental_index_finds_what_a_scan_finds(ids, grow, k, n):
-    seq = Sequence("r", list(ids), SamplingParams(), cycle_len=3)
+    seq = Sequence("r", list(ids), SamplingParams(), tau=3)
     assert seq.context_continuation(k, n) == _brute(seq.token_ids, k, n)
     for t in grow:  # the index grows with the context, one token or several between calls
         seq.token_ids.append(t)
@@ -57,7 +57,7 @@ def test_the_incremental_index_finds_what_a_scan_finds(ids, grow, k, n):
 def _engine(base, context: bool, costs: PassCosts | None = None) -> LLMEngine:
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256, adaptive_drafts=True,
                                                    draft_quant="none", context_drafts=context),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     if costs is not None:
         eng.cycles.pass_costs = costs
     return eng
@@ -77,10 +77,10 @@ def _looping_prompts(n: int) -> list[list[int]]:
 def test_context_drafts_keep_the_output_the_verifiers_and_are_counted_apart(think_scale):
     base = base_model(3, think_scale)
     prompts = _looping_prompts(3) + prompts_of([5, 11], 3)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, tau=1))
     costs = PassCosts(checks={(b, r): 1.0 + 0.05 * r for b in range(1, 6) for r in range(1, 8)},
                       drafts={b: 0.3 for b in range(1, 6)}, decay=1.0)
-    got = _engine(base, True, costs).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=3, exact=True))
+    got = _engine(base, True, costs).generate(prompts, SamplingParams(max_new_tokens=40, tau=3, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     for r in got:
         assert sum(map(len, r.blocks)) == len(r.token_ids)
@@ -92,7 +92,7 @@ def test_context_drafts_keep_the_output_the_verifiers_and_are_counted_apart(thin
     drafted = sum(r.num_context_drafted for r in got)
     accepted = sum(r.num_context_accepted for r in got)
     assert drafted > 0 and accepted > 0  # the repeated phrases were found and some of them were right
-    off = _engine(base, False, costs).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=3, exact=True))
+    off = _engine(base, False, costs).generate(prompts, SamplingParams(max_new_tokens=40, tau=3, exact=True))
     assert [r.token_ids for r in off] == [r.token_ids for r in ref]
     assert sum(r.num_context_drafted for r in off) == 0
 
@@ -100,20 +100,20 @@ def test_context_drafts_keep_the_output_the_verifiers_and_are_counted_apart(thin
 def test_context_drafts_stop_at_a_stop_token_and_need_greedy_and_the_adaptive_policy():
     base = base_model(3, 1.0)
     prompt = _looping_prompts(1)[0]
-    ref = tiny_engine(base, DMTD).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=1))[0]
+    ref = tiny_engine(base, DMTD).generate([prompt], SamplingParams(max_new_tokens=30, tau=1))[0]
     stop = ref.token_ids[6]
     first = ref.token_ids.index(stop)
-    got = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=3, exact=True,
+    got = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, tau=3, exact=True,
                                                                 stop_token_ids=[stop]))[0]
     assert got.token_ids == ref.token_ids[: first + 1] and got.finish_reason == "stop"
-    sampled = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=3, exact=True,
+    sampled = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, tau=3, exact=True,
                                                                     temperature=1.0, seed=1))[0]
     assert sampled.num_context_drafted == 0  # sampled rows: drafts need the tail's distribution
-    tau1 = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=1, exact=True))[0]
+    tau1 = _engine(base, True).generate([prompt], SamplingParams(max_new_tokens=30, tau=1, exact=True))[0]
     assert tau1.num_drafted == 0 and tau1.token_ids == ref.token_ids  # τ = 1: the verifier alone, no lookups
     fixed = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=False),
-                      default_cycle_len=1, eos_token_ids=[])
-    res = fixed.generate([prompt], SamplingParams(max_new_tokens=30, cycle_len=3, exact=True))[0]
+                      default_tau=1, eos_token_ids=[])
+    res = fixed.generate([prompt], SamplingParams(max_new_tokens=30, tau=3, exact=True))[0]
     assert res.num_context_drafted == 0 and res.token_ids == ref.token_ids  # fixed τ: the tails' drafts only
 
 
@@ -128,7 +128,7 @@ def test_the_policy_takes_context_drafts_only_where_they_pay(mine, engine_wide, 
     eng = _engine(base, True, costs)
     if engine_wide is not None:
         eng.cycles.ledger.seen = {name: ([engine_wide[1]], [engine_wide[0]]) for name in LOOKUPS.values()}
-    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=20, cycle_len=3, exact=True))
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=20, tau=3, exact=True))
     eng.step()  # the prefill: its token decides this first cycle
     seq = eng.seqs[rid]
     seq.clear_drafts()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_cuda_matches_cpu(tau):
     dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="residual_add")
     prompts = [[1, 2, 3, 4], list(range(10, 30))]
-    params = SamplingParams(max_new_tokens=24, cycle_len=tau)
+    params = SamplingParams(max_new_tokens=24, tau=tau)
     cpu = LLMEngine(tiny_model(seed=9), None, dmtd, EngineConfig(max_num_seqs=2, max_model_len=128),
                     eos_token_ids=[]).generate(prompts, params)
     gpu_model = tiny_model(seed=9).to("cuda")

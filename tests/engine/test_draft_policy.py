@@ -36,18 +36,18 @@ def test_best_count_follows_measured_costs_and_acceptance():
 def test_adaptive_drafting_keeps_exactness_and_drafts_only_when_it_pays(think_scale, drafts_expected):
     base = base_model(1, think_scale)
     prompts = prompts_of([5, 9, 13, 4], 1)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, tau=1))
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True,
                                                    draft_quant="none",  # drafts as exact as the verifier
                                                    context_drafts=False,  # the tails' own policy
                                                    batch_gate=False),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     # costs as measured on a memory-bound machine: extra check positions and tails are cheap
     # (for every batch size the run passes through as requests finish, so no step's own timing enters)
     eng.cycles.pass_costs = PassCosts(checks={(b, r): 1.0 + 0.02 * r for b in range(1, 5) for r in range(1, 5)},
                                drafts={b: 0.25 for b in range(1, 5)})
     eng.cycles.pass_costs.decay = 1.0  # keep these costs (the tiny model's own timings are not the point here)
-    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, tau=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     drafted = sum(r.num_drafted for r in got)
     tokens = sum(len(r.token_ids) for r in got)
@@ -85,10 +85,10 @@ def test_exploring_cycles_draft_only_where_a_draft_could_pay(draft_s, explores):
     base = base_model(1, 1.0)
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
                                                    context_drafts=False),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     eng.cycles.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: draft_s},
                                       decay=1.0)
-    res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=48, cycle_len=4, exact=True))[0]
+    res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=48, tau=4, exact=True))[0]
     if explores:
         assert 0 < res.drafted_by_pos[0] <= 48 // 8 + 1  # the 1-in-8 exploring cycles, one draft each
     else:
@@ -120,7 +120,7 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
     base = base_model(1, 1.0)
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
                                                    context_drafts=False),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     # a tail at half a step (held there: decay 1) so that drafting stops once the acceptance prior wears off
     eng.cycles.pass_costs = PassCosts(checks={(1, r): 1.0 + 0.1 * r for r in range(1, 5)}, drafts={1: 0.5}, decay=1.0)
     catch_ups: list[int] = []
@@ -131,7 +131,7 @@ def test_a_draft_that_resumes_after_plain_steps_is_not_counted_as_a_drafts_cost(
         return draft(seqs)
 
     eng.runner.draft = recording  # type: ignore[method-assign]
-    res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=64, cycle_len=4, exact=True))[0]
+    res = eng.generate([prompts_of([6], 2)[0]], SamplingParams(max_new_tokens=64, tau=4, exact=True))[0]
     assert res.num_accepted < 0.3 * res.num_drafted and any(c > 2 for c in catch_ups), catch_ups  # resumed
     steady = sum(c <= 2 for c in catch_ups)
     assert eng.cycles.pass_costs.seen.get(("draft", 1), 0) == steady  # every counted pass was a steady one
@@ -147,9 +147,9 @@ def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
     shares = {}
     for dq in ("none", "int8"):
         eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, adaptive_drafts=True,
-                                                       draft_quant=dq), default_cycle_len=1, eos_token_ids=[])
+                                                       draft_quant=dq), default_tau=1, eos_token_ids=[])
         assert eng.cycles.pass_costs.tail_prior == 0.45  # nothing known before an exact request
-        eng.add_request(prompts_of([5], 1)[0], SamplingParams(max_new_tokens=4, cycle_len=3, exact=True))
+        eng.add_request(prompts_of([5], 1)[0], SamplingParams(max_new_tokens=4, tau=3, exact=True))
         r, d = eng.runner, DMTD
         layer = sum(t.numel() * t.element_size() for t in r.model.layer_weights()[0] if t is not None)
         head = r.head.numel() * r.head.element_size()

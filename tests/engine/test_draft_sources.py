@@ -8,7 +8,7 @@ from dmtd.engine.sequence import SamplingParams, Sequence
 
 
 def _seq(ids: list[int]) -> Sequence:
-    return Sequence("r", ids, SamplingParams(max_new_tokens=20, exact=True), cycle_len=4)
+    return Sequence("r", ids, SamplingParams(max_new_tokens=20, exact=True), tau=4)
 
 
 def test_a_cycles_drafts_split_into_runs_by_source():

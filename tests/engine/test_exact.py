@@ -61,7 +61,7 @@ def exact_engine(model: Transformer, verifier: Verifier | None = None, max_num_s
     from dmtd.engine.config import EngineConfig
 
     return LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=256),
-                     default_cycle_len=1, eos_token_ids=eos or [], verifier=verifier, draft_vocab=draft_vocab)
+                     default_tau=1, eos_token_ids=eos or [], verifier=verifier, draft_vocab=draft_vocab)
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -79,14 +79,14 @@ def test_greedy_exact_equals_the_verifier_alone(seed, think_scale, noise, taus, 
     base = base_model(seed % 7, think_scale)
     var, verifier = variant_of(base, noise, seed)
     prompts = prompts_of(lengths, seed)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=max_new, cycle_len=1))
-    params = [SamplingParams(max_new_tokens=max_new, cycle_len=taus[i % len(taus)], exact=True,
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=max_new, tau=1))
+    params = [SamplingParams(max_new_tokens=max_new, tau=taus[i % len(taus)], exact=True,
                              min_confidence=threshold) for i in range(len(prompts))]
     got = exact_engine(var, verifier).generate(prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     for r, p in zip(got, params):
         assert sum(map(len, r.blocks)) == len(r.token_ids)
-        assert max(map(len, r.blocks)) <= p.cycle_len  # a block: accepted drafts + the verifier's token
+        assert max(map(len, r.blocks)) <= p.tau  # a block: accepted drafts + the verifier's token
         assert 0 <= r.num_accepted <= r.num_drafted
         assert sum(r.accepted_by_pos) == r.num_accepted and sum(r.drafted_by_pos) == r.num_drafted
 
@@ -96,14 +96,14 @@ def test_acceptance_spans_none_to_all_and_rows_accept_different_counts():
     rates = {}
     for scale in (0.0, 1.0):
         base = base_model(1, scale)
-        res = exact_engine(base).generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=4, exact=True))
+        res = exact_engine(base).generate(prompts, SamplingParams(max_new_tokens=24, tau=4, exact=True))
         rates[scale] = sum(r.num_accepted for r in res) / sum(r.num_drafted for r in res)
     assert rates[0.0] == 1.0 and rates[1.0] < 0.2
     # in one shared step, rows accept different counts (nothing waits for a phase)
     base = base_model(1, 0.05)
     eng = exact_engine(base)
     for p in prompts:
-        eng.add_request(p, SamplingParams(max_new_tokens=24, cycle_len=4, exact=True))
+        eng.add_request(p, SamplingParams(max_new_tokens=24, tau=4, exact=True))
     mixed = False
     while eng.has_unfinished():
         counts = [o.num_accepted for o in eng.step() if o.block]
@@ -118,7 +118,7 @@ def test_tails_follow_their_own_path_the_masked_forward_with_the_realised_heads(
     var, verifier = variant_of(base, 0.02, 3)
     eng = exact_engine(var, verifier)
     prompt = prompts_of([9], 3)[0]
-    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=30, cycle_len=4, exact=True))
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=30, tau=4, exact=True))
     seq = eng.seqs[rid]
     drafts: list[tuple[int, list[int], int]] = []  # (position, inputs up to it, draft)
     heads = set(range(len(prompt)))
@@ -154,9 +154,9 @@ def test_a_checked_chunk_scores_each_position_as_that_position_alone(dtype, prom
     model, verifier = variant_of(base, 0.05, 6)
     model, verifier = in_dtype(model, verifier, dtype)
     eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, dtype=dtype),
-                    default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+                    default_tau=1, eos_token_ids=[], verifier=verifier)
     rid = eng.add_request(prompts_of([prompt_len], 7)[0],
-                          SamplingParams(max_new_tokens=40, cycle_len=1, exact=True, ignore_eos=True))
+                          SamplingParams(max_new_tokens=40, tau=1, exact=True, ignore_eos=True))
     for _ in range(4):
         eng.step()
     seq, runner = eng.seqs[rid], eng.runner
@@ -183,7 +183,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_existed():
     var, verifier = variant_of(base, 0.05, 2)
     eng = exact_engine(var, verifier)
     prompt = prompts_of([7], 2)[0]
-    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=40, tau=4, exact=True))
     seq = eng.seqs[rid]
     rejected = 0
     for _ in range(30):  # stop right after a check that rejected a draft
@@ -197,7 +197,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_existed():
     n = seq.num_tokens
     assert seq.num_tail_cached <= n - 1
     fresh = tiny_engine(base, DMTD)
-    fid = fresh.add_request(seq.token_ids[:-1], SamplingParams(max_new_tokens=1, cycle_len=1))
+    fid = fresh.add_request(seq.token_ids[:-1], SamplingParams(max_new_tokens=1, tau=1))
     fresh.step()  # prefill of the committed tokens but the last (which no head has fed yet)
     fslot, slot = 0, seq.kv_row  # the fresh engine's only request took slot 0 (now free again, KV kept)
     assert fresh.seqs[fid].generated_ids == seq.token_ids[-1:]
@@ -208,7 +208,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_existed():
     # and it goes on to the base's tokens from there
     while eng.has_unfinished():
         eng.step()
-    ref = tiny_engine(base, DMTD).generate([prompt], SamplingParams(max_new_tokens=40, cycle_len=1))[0]
+    ref = tiny_engine(base, DMTD).generate([prompt], SamplingParams(max_new_tokens=40, tau=1))[0]
     assert seq.generated_ids == ref.token_ids
 
 
@@ -239,7 +239,7 @@ def test_sampled_exact_output_has_the_base_distribution(sampling):
     drafted = accepted = 0
     for start in range(0, n_runs, 32):
         # one more token than counted: the prefill's token, then two drafts checked in one block
-        params = [SamplingParams(max_new_tokens=n_tok + 1, cycle_len=3, exact=True, seed=1000 + start + i,
+        params = [SamplingParams(max_new_tokens=n_tok + 1, tau=3, exact=True, seed=1000 + start + i,
                                  **sampling) for i in range(min(32, n_runs - start))]
         for r in eng.generate([prompt] * len(params), params):
             key = tuple(r.token_ids[:n_tok])
@@ -255,10 +255,10 @@ def test_sampled_exact_output_has_the_base_distribution(sampling):
 def test_restricted_draft_vocabulary_keeps_exactness_and_must_hold_eos():
     base = base_model(5, 0.05)
     prompts = prompts_of([6, 12], 5)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=20, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=20, tau=1))
     vocab = list(range(0, 97, 2))
     got = exact_engine(base, draft_vocab=vocab).generate(
-        prompts, SamplingParams(max_new_tokens=20, cycle_len=3, exact=True))
+        prompts, SamplingParams(max_new_tokens=20, tau=3, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     with pytest.raises(ConfigError, match="EOS"):
         exact_engine(base, draft_vocab=vocab, eos=[3])
@@ -272,15 +272,15 @@ def test_greedy_drafts_may_propose_context_ids_outside_the_draft_vocabulary():
     they are, once the answer repeats itself; sampled requests keep the vocabulary as it is."""
     base = base_model(3, 0.0)  # tails agree with the verifier
     prompts = prompts_of([7, 11], 3)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, tau=1))
     used = {t for r in ref for t in r.token_ids}
     vocab = [i for i in range(97) if i not in used]
     eng = exact_engine(base, draft_vocab=vocab)
-    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=3, exact=True))
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, tau=3, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert sum(r.num_accepted for r in got) > 0 and all(t in used for r in got for t in r.token_ids)
     assert eng.runner.pass_draft_ids is not None and len(eng.runner.pass_draft_ids) > len(vocab)
-    eng.generate(prompts, SamplingParams(max_new_tokens=12, cycle_len=3, exact=True, temperature=0.8, seed=1))
+    eng.generate(prompts, SamplingParams(max_new_tokens=12, tau=3, exact=True, temperature=0.8, seed=1))
     assert torch.equal(eng.runner.pass_draft_ids, eng.runner.draft_ids)  # the last pass's rows were sampled
 
 
@@ -293,11 +293,11 @@ def test_gated_tails_draw_only_from_the_draft_vocabulary_alone_or_beside_heads()
     base = base_model(8, 0.2)
     prompts = prompts_of([5, 9, 14], 8)
     vocab = list(range(0, 97, 2))
-    params = SamplingParams(max_new_tokens=18, cycle_len=3, min_confidence=0.6)  # the gate splits phases
+    params = SamplingParams(max_new_tokens=18, tau=3, min_confidence=0.6)  # the gate splits phases
 
     def engine() -> LLMEngine:
         cfg = EngineConfig(max_num_seqs=8, max_model_len=256, align_phases=False)
-        return LLMEngine(base, None, DMTD, cfg, default_cycle_len=1, eos_token_ids=[], draft_vocab=vocab)
+        return LLMEngine(base, None, DMTD, cfg, default_tau=1, eos_token_ids=[], draft_vocab=vocab)
 
     solo = [engine().generate([p], params)[0] for p in prompts]
     heads = []
@@ -318,10 +318,10 @@ def test_gated_tails_draw_only_from_the_draft_vocabulary_alone_or_beside_heads()
 def test_exact_and_gated_rows_share_a_batch():
     base = base_model(6, 0.2)
     prompts = prompts_of([5, 8, 11], 6)
-    plain = [SamplingParams(max_new_tokens=16, cycle_len=3, min_confidence=0.4)] * 3
+    plain = [SamplingParams(max_new_tokens=16, tau=3, min_confidence=0.4)] * 3
     solo = [tiny_engine(base, DMTD).generate([p], plain[0])[0].token_ids for p in prompts]
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=16, cycle_len=1))
-    mixed = [plain[0], SamplingParams(max_new_tokens=16, cycle_len=3, exact=True), plain[0]]
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=16, tau=1))
+    mixed = [plain[0], SamplingParams(max_new_tokens=16, tau=3, exact=True), plain[0]]
     got = tiny_engine(base, DMTD, align_phases=False).generate(prompts, mixed)
     assert got[1].token_ids == ref[1].token_ids
     assert [got[0].token_ids, got[2].token_ids] == [solo[0], solo[2]]
@@ -330,9 +330,9 @@ def test_exact_and_gated_rows_share_a_batch():
 def test_stop_token_inside_accepted_drafts_ends_the_request_there():
     base = base_model(7, 0.0)
     prompt = prompts_of([6], 7)[0]
-    ref = tiny_engine(base, DMTD).generate([prompt], SamplingParams(max_new_tokens=20, cycle_len=1))[0]
+    ref = tiny_engine(base, DMTD).generate([prompt], SamplingParams(max_new_tokens=20, tau=1))[0]
     stop = ref.token_ids[5]
     first = ref.token_ids.index(stop)
-    got = exact_engine(base).generate([prompt], SamplingParams(max_new_tokens=20, cycle_len=4, exact=True,
+    got = exact_engine(base).generate([prompt], SamplingParams(max_new_tokens=20, tau=4, exact=True,
                                                                stop_token_ids=[stop]))[0]
     assert got.token_ids == ref.token_ids[: first + 1] and got.finish_reason == "stop"

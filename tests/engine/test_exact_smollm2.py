@@ -34,15 +34,15 @@ def test_exact_greedy_tokens_equal_the_base_at_tau1_on_20_chat_prompts(engines, 
     variant, base = engines
     assert variant.verifier_name == "base"
     prompts = [[{"role": "user", "content": c}] for c in CHATS]
-    ref = base.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
-    got = variant.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=tau, exact=True,
+    ref = base.generate(prompts, SamplingParams(max_new_tokens=40, tau=1))
+    got = variant.generate(prompts, SamplingParams(max_new_tokens=40, tau=tau, exact=True,
                                                    min_confidence=threshold))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     drafted, accepted = sum(r.num_drafted for r in got), sum(r.num_accepted for r in got)
     assert drafted > 100 and 0.15 < accepted / drafted < 0.95  # real drafting, real rejections
     # the variant's own τ = 1 path (its adapted decoding layers at every head) is not the base: exactness
     # comes from the verifier, not from a variant that happens to agree
-    own = variant.generate(prompts[:6], SamplingParams(max_new_tokens=40, cycle_len=1))
+    own = variant.generate(prompts[:6], SamplingParams(max_new_tokens=40, tau=1))
     assert [r.token_ids for r in own] != [r.token_ids for r in ref[:6]]
 
 
@@ -66,7 +66,7 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_block_with_what_was_emitt
     """Tokens counted are tokens streamed: the block holds the emitted tokens, accepted counts only those."""
     variant, _ = engines
     prompt = [{"role": "user", "content": CHATS[0]}]
-    params = SamplingParams(max_new_tokens=48, cycle_len=4, exact=True)
+    params = SamplingParams(max_new_tokens=48, tau=4, exact=True)
     outs = list(variant.stream(prompt, params))
     ends = [i for i, o in enumerate(outs) if o.block and len(o.block) >= 3 and o.num_accepted >= 2]
     assert ends, "no cycle accepted two drafts on this prompt"
@@ -75,13 +75,13 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_block_with_what_was_emitt
     before = "".join(o.text_delta for o in outs[: start + 1])
     stop = outs[start + 1].text_delta  # the second draft's text, first seen there
     assert stop.strip() and text.find(stop) == len(before)
-    r = variant.generate([prompt], SamplingParams(max_new_tokens=48, cycle_len=4, exact=True, stop=[stop]))[0]
+    r = variant.generate([prompt], SamplingParams(max_new_tokens=48, tau=4, exact=True, stop=[stop]))[0]
     assert r.finish_reason == "stop" and r.text == before
     assert r.token_ids == [o.token_id for o in outs[: start + 2]]
     assert [t for b in r.blocks for t in b] == r.token_ids and r.blocks[-1] == r.token_ids[-2:]
     assert r.num_accepted + sum(r.head_flags) == len(r.token_ids)  # every token: an accepted draft or a head's
     assert sum(r.accepted_by_pos) == r.num_accepted and r.accepted_by_pos[:2] <= r.drafted_by_pos[:2]
-    last = [o for o in variant.stream(prompt, SamplingParams(max_new_tokens=48, cycle_len=4, exact=True,
+    last = [o for o in variant.stream(prompt, SamplingParams(max_new_tokens=48, tau=4, exact=True,
                                                              stop=[stop]))][-1]
     assert last.finished and last.block == r.token_ids[-2:] and last.num_accepted == 2
 
@@ -98,17 +98,17 @@ def test_exact_tokens_are_the_base_models_alone_and_in_a_batch_of_16_mixed_reque
     base = build_engine(engine_spec(None, "none", dtype=prec), cfg)
     variant = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]), cfg)
     prompts = [[{"role": "user", "content": c}] for c in CHATS]
-    greedy = SamplingParams(max_new_tokens=24, cycle_len=1)
+    greedy = SamplingParams(max_new_tokens=24, tau=1)
     ref = [r.token_ids for r in base.generate(prompts, greedy)]  # 20 requests: batches of 16, then 4
     for i in (0, 7, 13):
         assert base.generate([prompts[i]], greedy)[0].token_ids == ref[i], f"base, prompt {i} alone"
-        alone = variant.generate([prompts[i]], SamplingParams(max_new_tokens=24, cycle_len=3, exact=True))[0]
+        alone = variant.generate([prompts[i]], SamplingParams(max_new_tokens=24, tau=3, exact=True))[0]
         assert alone.token_ids == ref[i], f"exact, prompt {i} alone"
-    exact = [SamplingParams(max_new_tokens=24, cycle_len=2 + i % 3, exact=True, min_confidence=(0.0, 0.5)[i % 2])
+    exact = [SamplingParams(max_new_tokens=24, tau=2 + i % 3, exact=True, min_confidence=(0.0, 0.5)[i % 2])
              for i in range(len(prompts))]
-    others = [SamplingParams(max_new_tokens=16, cycle_len=3),  # the dmtd profile: unverified tails
-              SamplingParams(max_new_tokens=16, cycle_len=3, exact=True, temperature=0.8, seed=1),
-              SamplingParams(max_new_tokens=16, cycle_len=1, temperature=1.0, seed=2)]
+    others = [SamplingParams(max_new_tokens=16, tau=3),  # the dmtd profile: unverified tails
+              SamplingParams(max_new_tokens=16, tau=3, exact=True, temperature=0.8, seed=1),
+              SamplingParams(max_new_tokens=16, tau=1, temperature=1.0, seed=2)]
     batch = [(p, q) for p, q in zip(prompts, exact)]
     for j, q in enumerate(others * 2):  # companions spread through the batch
         batch.insert(3 * j + 1, (prompts[(5 * j) % len(prompts)], q))

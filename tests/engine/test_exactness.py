@@ -31,7 +31,7 @@ def hf_model(smollm2):
 def test_tau1_equals_hf_generate(smollm2, hf_model):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, tau_max=4),
                        EngineConfig(max_num_seqs=8, max_model_len=256))
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=64, cycle_len=1, ignore_eos=True))
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=64, tau=1, ignore_eos=True))
     for res in results:
         ids = torch.tensor([res.prompt_token_ids])
         with torch.inference_mode():
@@ -48,7 +48,7 @@ def test_chat_template_and_text(smollm2):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, tau_max=4),
                        EngineConfig(max_num_seqs=2, max_model_len=512))
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    res = engine.generate([msgs], SamplingParams(max_new_tokens=32, cycle_len=1))[0]
+    res = engine.generate([msgs], SamplingParams(max_new_tokens=32, tau=1))[0]
     assert res.prompt_token_ids[:1] == smollm2.tokenizer.encode("<|im_start|>", add_special_tokens=False)
     assert "Paris" in res.text
     assert res.finish_reason == "stop"  # ended on <|im_end|>

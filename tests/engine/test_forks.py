@@ -37,8 +37,8 @@ def run(engine, prompt, params: list[SamplingParams], share: bool) -> tuple[list
 def test_siblings_share_one_prefill_and_decode_as_if_alone(exact):
     var, verifier = variant_of(base_model(3, 0.2), 0.05, 3)
     prompt = prompts_of([11], 5)[0]
-    params = [SamplingParams(temperature=0.9, seed=s, max_new_tokens=14, cycle_len=3, exact=exact) for s in (1, 2, 3)]
-    params.append(SamplingParams(max_new_tokens=14, cycle_len=3, exact=exact))  # a greedy sibling
+    params = [SamplingParams(temperature=0.9, seed=s, max_new_tokens=14, tau=3, exact=exact) for s in (1, 2, 3)]
+    params.append(SamplingParams(max_new_tokens=14, tau=3, exact=exact))  # a greedy sibling
     alone, passes_alone = run(exact_engine(var, verifier), prompt, params, share=False)
     shared, passes_shared = run(exact_engine(var, verifier), prompt, params, share=True)
     assert (passes_alone, passes_shared) == (4, 1)
@@ -48,7 +48,7 @@ def test_siblings_share_one_prefill_and_decode_as_if_alone(exact):
 def test_a_sibling_with_no_slot_or_an_aborted_parent_prefills_itself():
     var, verifier = variant_of(base_model(4, 0.2), 0.05, 4)
     prompt = prompts_of([9], 6)[0]
-    params = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=8, cycle_len=2) for s in (1, 2, 3)]
+    params = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=8, tau=2) for s in (1, 2, 3)]
     alone, _ = run(exact_engine(var, verifier), prompt, params, share=False)
     tight, passes = run(exact_engine(var, verifier, max_num_seqs=2), prompt, params, share=True)
     assert tight == alone and passes == 2  # the third found no slot: it queued and prefilled itself

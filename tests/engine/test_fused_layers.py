@@ -23,7 +23,7 @@ def _packed_draft_runner(seed: int, num_seqs: int, g: torch.Generator):
     dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
     model = tiny_model(seed=seed)
     eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=num_seqs, max_model_len=64, draft_quant="int8"),
-                    default_cycle_len=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
+                    default_tau=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
     r = eng.runner
     r.enable_exact()
     for slot in range(num_seqs):  # each cache row its own pages, in order (row 0: pages 0 ..), as the scheduler gives
@@ -117,13 +117,13 @@ def test_int8_drafts_keep_the_output_the_verifiers(draft_quant):
     base = base_model(4, 0.3)
     var, verifier = variant_of(base, 0.02, 4)
     prompts = prompts_of([5, 9, 3], 4)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=24, tau=1))
     from dmtd.engine.config import EngineConfig
 
     eng = LLMEngine(var, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256, draft_quant=draft_quant),
-                    default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+                    default_tau=1, eos_token_ids=[], verifier=verifier)
     for batch in (prompts, prompts[:1]):  # a batch (the layer loop) and one sequence (the fused call)
-        got = eng.generate(batch, SamplingParams(max_new_tokens=24, cycle_len=3, exact=True))
+        got = eng.generate(batch, SamplingParams(max_new_tokens=24, tau=3, exact=True))
         assert [x.token_ids for x in got] == [x.token_ids for x in ref[: len(batch)]]
         assert sum(x.num_accepted for x in got) > 0
     assert eng.runner.draft_format == ("i8dot" if draft_quant == "int8" else None)

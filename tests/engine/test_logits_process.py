@@ -60,7 +60,7 @@ def reference_greedy(smollm2, prompt: list[int], p: SamplingParams, n: int, allo
 
 def test_exact_logprobs_are_the_base_models_own(engines, smollm2):
     variant, base = engines
-    p = SamplingParams(max_new_tokens=24, cycle_len=3, exact=True, logprobs=5, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=24, tau=3, exact=True, logprobs=5, ignore_eos=True)
     got = variant.generate([CHAT], p)[0]
     assert got.num_accepted > 0  # drafts were accepted: the logprobs still come from the verifier's rows
     lp = torch.log_softmax(base_logits(smollm2.model, got.prompt_token_ids + got.token_ids), -1)
@@ -72,7 +72,7 @@ def test_exact_logprobs_are_the_base_models_own(engines, smollm2):
         assert [t for t, _, _ in top] == ref.topk(5).indices.tolist()
         assert all(abs(v - float(ref[t])) < 1e-4 for t, _, v in top)
         assert piece == smollm2.tokenizer.decode([tok]).encode() or "\ufffd" in smollm2.tokenizer.decode([tok])
-    plain = base.generate([CHAT], SamplingParams(max_new_tokens=24, cycle_len=1, ignore_eos=True))[0]
+    plain = base.generate([CHAT], SamplingParams(max_new_tokens=24, tau=1, ignore_eos=True))[0]
     assert got.token_ids == plain.token_ids
 
 
@@ -85,8 +85,8 @@ def test_penalties_and_bias_change_tokens_as_the_reference_says(engines, smollm2
     n = 20
     ref = reference_greedy(smollm2, prompt, SamplingParams(**kw), n)
     assert ref != reference_greedy(smollm2, prompt, SamplingParams(), n)  # the shaping matters here
-    exact = variant.generate([CHAT], SamplingParams(max_new_tokens=n, cycle_len=3, exact=True, **kw))[0]
-    plain = base.generate([CHAT], SamplingParams(max_new_tokens=n, cycle_len=1, **kw))[0]
+    exact = variant.generate([CHAT], SamplingParams(max_new_tokens=n, tau=3, exact=True, **kw))[0]
+    plain = base.generate([CHAT], SamplingParams(max_new_tokens=n, tau=1, **kw))[0]
     assert plain.token_ids == ref
     assert exact.token_ids == ref
     assert exact.num_drafted > 0
@@ -111,8 +111,8 @@ def test_json_schema_output_parses_and_equals_the_constrained_base(engines, smol
 
     prompt = base.encode(chat)
     ref = reference_greedy(smollm2, prompt, SamplingParams(), 90, allowed)
-    exact = variant.generate([chat], SamplingParams(max_new_tokens=90, cycle_len=3, exact=True, grammar=grammar))[0]
-    plain = base.generate([chat], SamplingParams(max_new_tokens=90, cycle_len=1, grammar=grammar))[0]
+    exact = variant.generate([chat], SamplingParams(max_new_tokens=90, tau=3, exact=True, grammar=grammar))[0]
+    plain = base.generate([chat], SamplingParams(max_new_tokens=90, tau=1, grammar=grammar))[0]
     assert exact.token_ids == plain.token_ids == ref
     assert exact.finish_reason == "stop" and exact.num_drafted > 0
     obj = json.loads(exact.text)
@@ -125,7 +125,7 @@ def test_sampled_exact_with_a_grammar_stays_valid_json(engines):
     variant, _ = engines
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)
     chat = [{"role": "user", "content": "A person as JSON, please."}]
-    outs = variant.generate([chat] * 3, [SamplingParams(temperature=0.9, seed=s, max_new_tokens=80, cycle_len=3,
+    outs = variant.generate([chat] * 3, [SamplingParams(temperature=0.9, seed=s, max_new_tokens=80, tau=3,
                                                         exact=True, grammar=grammar, presence_penalty=0.4,
                                                         logprobs=0) for s in (1, 2, 3)])
     for o in outs:
@@ -162,11 +162,11 @@ def test_a_grammars_forced_tokens_are_drafts_the_verifier_accepts(engines):
         return sum(variant.cycles.ledger.seen.get(FORCED_SOURCE, ([], []))[1])
 
     before = forced_accepted()
-    exact = variant.generate([chat], SamplingParams(max_new_tokens=12, cycle_len=4, exact=True, grammar=grammar))[0]
-    plain = base.generate([chat], SamplingParams(max_new_tokens=12, cycle_len=1, grammar=grammar))[0]
+    exact = variant.generate([chat], SamplingParams(max_new_tokens=12, tau=4, exact=True, grammar=grammar))[0]
+    plain = base.generate([chat], SamplingParams(max_new_tokens=12, tau=1, grammar=grammar))[0]
     assert exact.token_ids == plain.token_ids and re.fullmatch(r"The answer is (yes|no)\.", exact.text)
     assert forced_accepted() - before >= 3  # "The answer is" went by as drafts, no tail pass made them
     for seed in (1, 2):
-        sampled = variant.generate([chat], SamplingParams(temperature=1.0, seed=seed, max_new_tokens=12, cycle_len=4,
+        sampled = variant.generate([chat], SamplingParams(temperature=1.0, seed=seed, max_new_tokens=12, tau=4,
                                                           exact=True, grammar=grammar))[0]
         assert re.fullmatch(r"The answer is (yes|no)\.", sampled.text) and sampled.finish_reason == "stop"

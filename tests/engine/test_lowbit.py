@@ -151,12 +151,12 @@ def _dequantised_copy(model, fmt: str):
 def test_a_quantised_engine_computes_its_dequantised_model(fmt):
     model = _tiny()
     eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=128, quant=fmt),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     assert eng.runner.weight_format == fmt
     ref_model = _dequantised_copy(model, fmt)
     head = lowbit.unpack(eng.runner.head)  # the packed tied head, as stored
     prompt = list(range(3, 14))
-    res = eng.generate([prompt], SamplingParams(max_new_tokens=12, cycle_len=1))[0]
+    res = eng.generate([prompt], SamplingParams(max_new_tokens=12, tau=1))[0]
     ids = torch.tensor([prompt + res.token_ids[:-1]])
     with torch.no_grad():
         h = ref_model.run_layers(ref_model.embed_tokens(ids), 0, 6, *ref_model.rope(torch.arange(ids.shape[1])[None]))
@@ -170,10 +170,10 @@ def test_quantised_exact_profile_equals_its_own_tau1_tokens(fmt, tau):
     """Verified cycles on packed weights: the output is the same engine's τ = 1 output, batched or not."""
     model = _tiny()
     eng = LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=128, quant=fmt),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     prompts = [list(range(2, 2 + n)) for n in (5, 9, 3)]
-    base = eng.generate(prompts, SamplingParams(max_new_tokens=20, cycle_len=1))
-    exact = eng.generate(prompts, SamplingParams(max_new_tokens=20, cycle_len=tau, exact=True))
+    base = eng.generate(prompts, SamplingParams(max_new_tokens=20, tau=1))
+    exact = eng.generate(prompts, SamplingParams(max_new_tokens=20, tau=tau, exact=True))
     assert [r.token_ids for r in exact] == [r.token_ids for r in base]
     assert sum(r.num_drafted for r in exact) > 0
 
@@ -181,7 +181,7 @@ def test_quantised_exact_profile_equals_its_own_tau1_tokens(fmt, tau):
 def test_bf16_engine_uses_the_packed_kernels_and_refuses_a_model_of_another_dtype():
     eng = LLMEngine(_tiny(torch.bfloat16), None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=64,
                                                                     dtype="bfloat16"),
-                    default_cycle_len=1, eos_token_ids=[])
+                    default_tau=1, eos_token_ids=[])
     assert eng.runner.weight_format == "bf16"
     assert len(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))[0].token_ids) == 5
     with pytest.raises(ConfigError, match="dtype is bfloat16 but the model's weights are float32"):
@@ -316,10 +316,10 @@ def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(2)).tolist()
     got = {}
     for attend in (True, False):
-        eng = LLMEngine(model, None, dmtd, cfg, default_cycle_len=1, eos_token_ids=[])
+        eng = LLMEngine(model, None, dmtd, cfg, default_tau=1, eos_token_ids=[])
         assert eng.runner.model.attend_kernel  # float32 KV on CPU, kernels built
         eng.runner.model.attend_kernel = attend
-        got[attend] = [eng.generate([prompt], SamplingParams(max_new_tokens=24, cycle_len=tau, exact=True))[0]
+        got[attend] = [eng.generate([prompt], SamplingParams(max_new_tokens=24, tau=tau, exact=True))[0]
                        for tau in (1, 3)]
         assert got[attend][0].token_ids == got[attend][1].token_ids
     assert got[True][0].token_ids == got[False][0].token_ids

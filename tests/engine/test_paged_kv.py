@@ -38,7 +38,7 @@ def engine(seed: int, *, pool: int | None, slots: int, dtype: str, align_phases:
     var, verifier = in_dtype(*variant_of(base, noise, seed), dtype)
     cfg = EngineConfig(max_num_seqs=slots, max_model_len=128, dtype=dtype, prefill_chunk=chunk, page_size=4,
                        kv_cache_tokens=pool, align_phases=align_phases)
-    return LLMEngine(var, None, DMTD, cfg, default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    return LLMEngine(var, None, DMTD, cfg, default_tau=1, eos_token_ids=[], verifier=verifier)
 
 
 @settings(max_examples=14, deadline=None, derandomize=True, database=None)
@@ -57,7 +57,7 @@ def test_tokens_are_the_same_whatever_the_pool_and_however_often_sequences_are_p
     prefix = rand_ids(g, prefix_len)
     waves = [[prefix + rand_ids(g, s) for s in wave] for wave in suffixes]
     n = sum(len(w) for w in waves)
-    params = [SamplingParams(max_new_tokens=max_new, cycle_len=taus[i % len(taus)], exact=exact) for i in range(n)]
+    params = [SamplingParams(max_new_tokens=max_new, tau=taus[i % len(taus)], exact=exact) for i in range(n)]
     ref = run_waves(engine(seed, pool=None, slots=5, dtype=dtype, align_phases=exact), waves, params)
     e = engine(seed, pool=pool, slots=5, dtype=dtype, align_phases=exact)
     got = run_waves(e, waves, params)
@@ -75,7 +75,7 @@ def test_a_dry_pool_preempts_the_newest_and_it_goes_on_where_it_was(exact):
     first, prefilled again over their tokens so far, and every sequence ends with the tokens it gets alone."""
     g = torch.Generator().manual_seed(11)
     prompts = [rand_ids(g, 9 + 2 * i) for i in range(4)]
-    params = SamplingParams(max_new_tokens=40, cycle_len=3, exact=exact)
+    params = SamplingParams(max_new_tokens=40, tau=3, exact=exact)
     alone = [engine(4, pool=None, slots=1, dtype="float32", align_phases=False).generate([p], params)[0].token_ids
              for p in prompts]
     e = engine(4, pool=80, slots=4, dtype="float32", align_phases=False)
@@ -134,6 +134,6 @@ def test_smollm2_preempted_exact_requests_are_the_base_models_tokens(dtype):
     e = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]),
                      EngineConfig(max_num_seqs=6, max_model_len=512, dtype=dtype, adaptive_drafts=True,
                                   kv_cache_tokens=320))
-    got = [r.token_ids for r in e.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=3, exact=True))]
+    got = [r.token_ids for r in e.generate(prompts, SamplingParams(max_new_tokens=40, tau=3, exact=True))]
     assert e.scheduler.num_preempted >= 1
     assert got == ref

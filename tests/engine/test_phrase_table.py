@@ -50,7 +50,7 @@ def test_the_continuation_chains_lookups_backs_off_to_two_tokens_and_names_the_f
 def _engine(base, table: PhraseTable | None, phrase: bool = True) -> LLMEngine:
     eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256, adaptive_drafts=True,
                                                    draft_quant="none", phrase_drafts=phrase),
-                    default_cycle_len=1, eos_token_ids=[], phrase_table=table)
+                    default_tau=1, eos_token_ids=[], phrase_table=table)
     eng.cycles.pass_costs = PassCosts(**COSTS)
     return eng
 
@@ -59,13 +59,13 @@ def _engine(base, table: PhraseTable | None, phrase: bool = True) -> LLMEngine:
 def test_table_drafts_keep_the_output_the_verifiers_and_are_counted_apart(think_scale):
     base = base_model(3, think_scale)
     prompts = prompts_of([5, 9, 13, 7], 4)
-    params = SamplingParams(max_new_tokens=40, cycle_len=1)
+    params = SamplingParams(max_new_tokens=40, tau=1)
     ref = tiny_engine(base, DMTD).generate(prompts, params)
     right = table_of([p[-3:] + r.token_ids for p, r in zip(prompts, ref)])  # the verifier's own answers
     never = min(set(range(VOCAB)) - {t for r in ref for t in r.token_ids})  # no answer has it
     wrong = PhraseTable(VOCAB, {k: (never, p) for k, (_, p) in right.entries.items()},
                         {k: (never, p) for k, (_, p) in right.short.items()})
-    exact = SamplingParams(max_new_tokens=40, cycle_len=3, exact=True)
+    exact = SamplingParams(max_new_tokens=40, tau=3, exact=True)
     for table, good in ((right, True), (wrong, False)):
         eng = _engine(base, table)
         got = eng.generate(prompts, exact)
@@ -89,14 +89,14 @@ def test_the_table_goes_on_from_the_tails_drafts_where_it_knows_their_continuati
     and the table may go on from their drafts; those tokens count apart (after_tails), the output is τ = 1's."""
     base = base_model(3, 0.0)  # tails as good as the full stack: their drafts are the answers' tokens
     prompts = prompts_of([5, 9, 13, 7], 4)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, tau=1))
     table = PhraseTable(VOCAB, {})
     for p, r in zip(prompts, ref):
         ids = p[-3:] + r.token_ids
         for i in range(3, len(ids), 3):
             table.entries[table.key(ids[i - 3: i])] = (ids[i], 100)
     eng = _engine(base, table)
-    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=4, exact=True))
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=40, tau=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     drafted, accepted = eng.cycles.ledger.seen[after_tails(LONG_HIGH)]
     assert drafted[0] > 0 and 0 < accepted[0] <= drafted[0]
@@ -111,7 +111,7 @@ def test_nothing_goes_on_past_a_stop_token_and_what_was_not_emitted_is_not_count
     stop token (it would be accepted and never emitted), and a request's counts hold only what it streamed."""
     base = base_model(3, 0.0)
     prompts = prompts_of([5, 9, 13, 7], 4)
-    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, cycle_len=1))
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=40, tau=1))
     for stop_pos in range(2, 14):
         for p, r in zip(prompts, ref):
             stop = r.token_ids[stop_pos]
@@ -120,9 +120,9 @@ def test_nothing_goes_on_past_a_stop_token_and_what_was_not_emitted_is_not_count
             for i in range(3, len(ids)):
                 if i % 3 == 0 or ids[i - 1] == stop:
                     table.entries[table.key(ids[i - 3: i])] = (ids[i], 100)
-            got = _engine(base, table).generate([p], SamplingParams(max_new_tokens=40, cycle_len=4, exact=True,
+            got = _engine(base, table).generate([p], SamplingParams(max_new_tokens=40, tau=4, exact=True,
                                                                     stop_token_ids=[stop]))[0]
-            want = tiny_engine(base, DMTD).generate([p], SamplingParams(max_new_tokens=40, cycle_len=1,
+            want = tiny_engine(base, DMTD).generate([p], SamplingParams(max_new_tokens=40, tau=1,
                                                                         stop_token_ids=[stop]))[0]
             assert got.token_ids == want.token_ids and got.finish_reason == "stop"
             assert got.num_accepted <= len(got.token_ids) - len(got.blocks) + 1  # the last block may lack a head
@@ -136,7 +136,7 @@ def test_a_table_for_another_vocabulary_is_refused():
 
 
 def _seq_with_drafts(tail_acc: tuple[int, int]) -> Sequence:
-    seq = Sequence("r", [1, 2, 3, 4], SamplingParams(max_new_tokens=20, exact=True), cycle_len=4)
+    seq = Sequence("r", [1, 2, 3, 4], SamplingParams(max_new_tokens=20, exact=True), tau=4)
     seq.add_drafts([7], TAILS)
     seq.draft_done = True
     seq.drafted_by_pos, seq.accepted_by_pos = [tail_acc[1]], [tail_acc[0]]

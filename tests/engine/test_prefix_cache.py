@@ -21,7 +21,7 @@ def engine(seed: int, *, caching: bool, chunk: int, slots: int, dtype: str = "fl
     var, verifier = in_dtype(*variant_of(base, noise, seed), dtype)
     cfg = EngineConfig(max_num_seqs=slots, max_model_len=256, dtype=dtype, prefill_chunk=chunk, page_size=4,
                        prefix_caching=caching, align_phases=align_phases)
-    return LLMEngine(var, None, DMTD, cfg, default_cycle_len=1, eos_token_ids=[], verifier=verifier)
+    return LLMEngine(var, None, DMTD, cfg, default_tau=1, eos_token_ids=[], verifier=verifier)
 
 
 def rand_ids(g: torch.Generator, n: int) -> list[int]:
@@ -66,7 +66,7 @@ def test_tokens_are_the_same_with_and_without_the_prefix_cache(seed, num_prefixe
     for wave in suffixes:
         waves.append([prefixes[(n + i) % num_prefixes] + rand_ids(g, s) for i, s in enumerate(wave)])
         n += len(wave)
-    params = [SamplingParams(max_new_tokens=max_new, cycle_len=taus[i % len(taus)], exact=exact) for i in range(n)]
+    params = [SamplingParams(max_new_tokens=max_new, tau=taus[i % len(taus)], exact=exact) for i in range(n)]
     ref = run_waves(engine(seed, caching=False, chunk=chunk, slots=slots, dtype=dtype, align_phases=exact), waves,
                     params)
     e = engine(seed, caching=True, chunk=chunk, slots=slots, dtype=dtype, align_phases=exact)
@@ -83,7 +83,7 @@ def test_a_finished_prompts_chunks_and_a_running_ones_are_shared_pages():
     g = torch.Generator().manual_seed(3)
     shared = rand_ids(g, 24)
     e = engine(1, caching=True, chunk=8, slots=4)
-    p = SamplingParams(max_new_tokens=6, cycle_len=3, exact=True)
+    p = SamplingParams(max_new_tokens=6, tau=3, exact=True)
     e.generate([shared + rand_ids(g, 5)], p)  # finished: its 3 chunks stay published, their 6 pages cached
     st_ = e.scheduler.prefix.stats
     pages = e.scheduler.pages
@@ -110,12 +110,12 @@ def test_cached_tokens_reach_the_result_and_equal_the_base_alone():
     prompts = [shared + rand_ids(g, n) for n in (3, 9, 1)]
     base = base_model(2, 0.05)
     alone = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, prefill_chunk=8,
-                                                     prefix_caching=False), default_cycle_len=1, eos_token_ids=[])
+                                                     prefix_caching=False), default_tau=1, eos_token_ids=[])
     ref = [alone.generate([p], SamplingParams(max_new_tokens=12))[0].token_ids for p in prompts]
     var, verifier = variant_of(base, 0.02, 2)
     e = LLMEngine(var, None, DMTD, EngineConfig(max_num_seqs=2, max_model_len=256, prefill_chunk=8),
-                  default_cycle_len=1, eos_token_ids=[], verifier=verifier)
-    got = [e.generate([p], SamplingParams(max_new_tokens=12, cycle_len=4, exact=True))[0].token_ids
+                  default_tau=1, eos_token_ids=[], verifier=verifier)
+    got = [e.generate([p], SamplingParams(max_new_tokens=12, tau=4, exact=True))[0].token_ids
            for p in prompts]
     assert got == ref
     assert e.scheduler.prefix.stats.cached_tokens == 2 * 32
@@ -124,7 +124,7 @@ def test_cached_tokens_reach_the_result_and_equal_the_base_alone():
 def test_a_long_prompt_is_prefilled_a_chunk_a_step_beside_running_rows():
     g = torch.Generator().manual_seed(7)
     e = engine(4, caching=False, chunk=8, slots=4)
-    p = SamplingParams(max_new_tokens=40, cycle_len=2)
+    p = SamplingParams(max_new_tokens=40, tau=2)
     e.add_request(rand_ids(g, 5), p)
     e.step()  # prefilled: it runs
     steps: list[str] = []
@@ -196,7 +196,7 @@ def test_prompts_arriving_together_share_the_first_ones_chunks():
     g = torch.Generator().manual_seed(11)
     shared = rand_ids(g, 40)
     prompts = [shared + rand_ids(g, n) for n in (2, 5, 9)]
-    p = SamplingParams(max_new_tokens=8, cycle_len=3, exact=True)
+    p = SamplingParams(max_new_tokens=8, tau=3, exact=True)
     ref = engine(8, caching=False, chunk=8, slots=4).generate(prompts, p)
     e = engine(8, caching=True, chunk=8, slots=4)
     got = e.generate(prompts, p)
@@ -225,7 +225,7 @@ def test_smollm2_long_shared_prompts_batched_and_cached_give_the_base_models_tok
     e = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]),
                      EngineConfig(max_num_seqs=4, max_model_len=1024, dtype=dtype, adaptive_drafts=True))
     assert e.runner._rows_prefill_ok() == (dtype == "bfloat16")  # packed weights: rows in one call
-    exact = SamplingParams(max_new_tokens=16, cycle_len=3, exact=True)
+    exact = SamplingParams(max_new_tokens=16, tau=3, exact=True)
     together = [r.token_ids for r in e.generate(prompts, exact)]
     again = [r.token_ids for r in e.generate(prompts[::-1], exact)][::-1]  # from the cache, in another order
     assert together == ref and again == ref

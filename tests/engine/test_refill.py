@@ -46,14 +46,14 @@ def test_incremental_equals_masked_forward(split, head_input, anchor, tau):
     engine = tiny_engine(model, dmtd)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 97, (11,), generator=g).tolist()
-    res = engine.generate([prompt], SamplingParams(max_new_tokens=24, cycle_len=tau))[0]
+    res = engine.generate([prompt], SamplingParams(max_new_tokens=24, tau=tau))[0]
     assert len(res.token_ids) == 24
     assert res.head_flags == expected_heads(dmtd, len(prompt), 24, tau)
     ref = reference_logits(model, dmtd, prompt, res.token_ids, res.head_flags, tau)
     assert ref.argmax(-1).tolist() == res.token_ids
     # the fp32 logits themselves agree, not just their argmax
     solo = tiny_engine(model, dmtd)
-    rid = solo.add_request(prompt, SamplingParams(max_new_tokens=24, cycle_len=tau))
+    rid = solo.add_request(prompt, SamplingParams(max_new_tokens=24, tau=tau))
     got = []
     orig = solo.runner.logits
 
@@ -77,7 +77,7 @@ def test_tau_one_is_plain_autoregressive():
     dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
     engine = tiny_engine(model, dmtd)
     prompt = list(range(5, 20))
-    res = engine.generate([prompt], SamplingParams(max_new_tokens=20, cycle_len=1))[0]
+    res = engine.generate([prompt], SamplingParams(max_new_tokens=20, tau=1))[0]
     assert all(res.head_flags) and all(len(b) == 1 for b in res.blocks)
     ids = torch.tensor([prompt + res.token_ids[:-1]])
     with torch.no_grad():
@@ -95,7 +95,7 @@ def test_mixed_batch_equals_each_alone(anchor):
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 5)]
     taus = [1, 2, 3, 4, 3]
     news = [20, 13, 25, 8, 17]
-    solo = [tiny_engine(model, dmtd).generate([p], SamplingParams(max_new_tokens=n, cycle_len=t))[0]
+    solo = [tiny_engine(model, dmtd).generate([p], SamplingParams(max_new_tokens=n, tau=t))[0]
             for p, t, n in zip(prompts, taus, news)]
 
     engine = tiny_engine(model, dmtd, max_num_seqs=3, align_phases=False)
@@ -106,7 +106,7 @@ def test_mixed_batch_equals_each_alone(anchor):
     while pending or engine.has_unfinished():
         if pending and step % 4 == 0:  # staggered admission: new sequences join mid-flight
             p, t, n = pending.pop(0)
-            rids.append(engine.add_request(p, SamplingParams(max_new_tokens=n, cycle_len=t)))
+            rids.append(engine.add_request(p, SamplingParams(max_new_tokens=n, tau=t)))
         for o in engine.step():
             outs.setdefault(o.req_id, []).append(o.token_id)
         step += 1
@@ -127,7 +127,7 @@ def test_aligned_phases_share_head_steps_and_stay_exact():
     decode_steps: list[tuple[set[str], set[str]]] = []  # (rows in a decode step, rows that headed)
     for i in range(60):
         if prompts and i % 3 == 0:  # admit a new row every 3 steps, at different phases of the clock
-            rids.append(engine.add_request(prompts.pop(0), SamplingParams(max_new_tokens=30, cycle_len=3)))
+            rids.append(engine.add_request(prompts.pop(0), SamplingParams(max_new_tokens=30, tau=3)))
         step = engine.step()
         if not step:
             break
@@ -163,10 +163,10 @@ def test_aligned_rows_equal_masked_forward():
         for o in engine.step():
             outs.setdefault(o.req_id, []).append(o)
 
-    rids = [engine.add_request(prompts[0], SamplingParams(max_new_tokens=20, cycle_len=4))]
+    rids = [engine.add_request(prompts[0], SamplingParams(max_new_tokens=20, tau=4))]
     collect()
     collect()  # the later rows join two decode steps into the first row's cycle
-    rids += [engine.add_request(p, SamplingParams(max_new_tokens=20, cycle_len=4)) for p in prompts[1:]]
+    rids += [engine.add_request(p, SamplingParams(max_new_tokens=20, tau=4)) for p in prompts[1:]]
     while engine.has_unfinished():
         collect()
     for i, (rid, prompt) in enumerate(zip(rids, prompts)):
@@ -185,7 +185,7 @@ def test_smollm2_refill_equivalence(smollm2):
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, dmtd, EngineConfig(max_num_seqs=4, max_model_len=256))
     prompts = ["The history of the printing press", "def fibonacci(n):", "My favourite recipe for soup is"]
     for tau in (2, 3, 4):
-        results = engine.generate(prompts, SamplingParams(max_new_tokens=24, cycle_len=tau, ignore_eos=True))
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=24, tau=tau, ignore_eos=True))
         for res in results:
             ref = reference_logits(smollm2.model, dmtd, res.prompt_token_ids, res.token_ids, res.head_flags, tau)
             assert ref.argmax(-1).tolist() == res.token_ids

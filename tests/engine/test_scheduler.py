@@ -14,7 +14,7 @@ def make(max_num_seqs=2, max_len=32, tau_max=4, anchor="prompt_end"):
 
 
 def seq(rid, n=4, tau=3, **kw):
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(**kw), cycle_len=tau)
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(**kw), tau=tau)
 
 
 def drive(s: Scheduler, tokens_of, conf=0.9, eos_ids=frozenset({0})):
@@ -105,7 +105,7 @@ def test_bad_requests_are_rejected_before_admission():
     with pytest.raises(CapacityError, match="prompt"):
         s.add(seq("long", n=8))
     with pytest.raises(RequestError, match="prompt"):
-        s.add(Sequence("empty", [], SamplingParams(), cycle_len=1))
+        s.add(Sequence("empty", [], SamplingParams(), tau=1))
     with pytest.raises(RequestError, match="tau"):
         s.add(seq("t", tau=5))
     assert s.num_unfinished == 0 and s.num_free_kv_rows == 2
@@ -126,7 +126,7 @@ def test_finish_is_idempotent_and_frees_waiting_too():
 @pytest.mark.parametrize("field,kw", [
     ("temperature", {"temperature": -1}), ("top_p", {"top_p": 0}), ("top_k", {"top_k": -2}),
     ("max_new_tokens", {"max_new_tokens": 0}), ("min_confidence", {"min_confidence": 1.5}),
-    ("tau", {"cycle_len": 0}), ("stop", {"stop": [""]}),
+    ("tau", {"tau": 0}), ("stop", {"stop": [""]}),
 ])
 def test_sampling_params_name_the_field(field, kw):
     with pytest.raises(RequestError) as e:

@@ -93,7 +93,7 @@ def test_the_in_process_engine_shows_its_controller_the_load_a_replica_would(smo
     from dmtd.serve.engine_compare import engine_closed_loop
 
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
-                       EngineConfig(max_num_seqs=4, max_model_len=256), default_cycle_len=1)
+                       EngineConfig(max_num_seqs=4, max_model_len=256), default_tau=1)
     # an ITL SLO no step misses on a loaded test machine: only the queue could put the controller under pressure
     cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=3, rest_min_confidence=0.5, max_batch=4, itl_slo_ms=60e3)
     loads: list[tuple[int, int]] = []

@@ -22,7 +22,7 @@ def make_replica(cfg: ControllerConfig, max_num_seqs: int = 4, max_queued: int =
 
 def tau1(prompts: list[list[int]], n: int) -> list[list[int]]:
     engine = tiny_engine(base_model(11, 0.05), DMTD)
-    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=n, cycle_len=1))]
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=n, tau=1))]
 
 
 def req(rid: str, prompt: list[int], n: int, **kw: object) -> ReplicaRequest:

@@ -21,7 +21,7 @@ from tests.serve.test_stack import CHAT, wait_idle
 def base_tau1(smollm2, n: int, ignore_eos: bool = True) -> GenerationResult:
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=1, max_model_len=1024))
-    return engine.generate([CHAT], SamplingParams(max_new_tokens=n, cycle_len=1, ignore_eos=ignore_eos))[0]
+    return engine.generate([CHAT], SamplingParams(max_new_tokens=n, tau=1, ignore_eos=ignore_eos))[0]
 
 
 def wait_for_default_profile(stack, profile: str) -> None:

@@ -54,7 +54,7 @@ def test_chat_logprobs_of_an_exact_request_are_the_base_models(client, base, smo
                                        top_logprobs=4, extra_body=EXACT)
     content = r.choices[0].logprobs.content
     assert r.usage.completion_tokens_details.model_extra["drafted_tokens"] > 0
-    ref = base.generate([CHAT], SamplingParams(max_new_tokens=16, cycle_len=1))[0]
+    ref = base.generate([CHAT], SamplingParams(max_new_tokens=16, tau=1))[0]
     emitted = [t for t in ref.token_ids if t not in base.eos_ids]
     assert "".join(c.token for c in content) == r.choices[0].message.content == ref.text
     assert len(content) == len(emitted)
@@ -87,10 +87,10 @@ def test_penalties_and_logit_bias_exact_equal_the_shaped_base(client, base):
     shaping = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"330": 5.0, "28": -100.0})
     r = client.chat.completions.create(model=VARIANT, messages=CHAT, max_tokens=24, temperature=0,
                                        extra_body={**EXACT, "repetition_penalty": 1.3}, **shaping)
-    ref = base.generate([CHAT], SamplingParams(max_new_tokens=24, cycle_len=1, presence_penalty=1.2,
+    ref = base.generate([CHAT], SamplingParams(max_new_tokens=24, tau=1, presence_penalty=1.2,
                                                frequency_penalty=0.6, repetition_penalty=1.3,
                                                logit_bias={330: 5.0, 28: -100.0}))[0]
-    plain = base.generate([CHAT], SamplingParams(max_new_tokens=24, cycle_len=1))[0]
+    plain = base.generate([CHAT], SamplingParams(max_new_tokens=24, tau=1))[0]
     assert r.choices[0].message.content == ref.text != plain.text
     assert r.usage.completion_tokens_details.model_extra["drafted_tokens"] > 0
 
@@ -129,7 +129,7 @@ def test_json_schema_strict_exact_is_valid_and_the_constrained_base(client, base
     text = r.choices[0].message.content
     jsonschema.validate(json.loads(text), PERSON)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(PERSON)
-    ref = base.generate([chat], SamplingParams(max_new_tokens=80, cycle_len=1, grammar=grammar))[0]
+    ref = base.generate([chat], SamplingParams(max_new_tokens=80, tau=1, grammar=grammar))[0]
     assert text == ref.text and r.choices[0].finish_reason == "stop"
     stream = client.chat.completions.create(model=VARIANT, messages=chat, max_tokens=80, temperature=0.8, seed=3,
                                             response_format=fmt, stream=True)
@@ -300,5 +300,5 @@ def test_a_shared_system_prompt_is_cached_and_the_text_stays_the_base_models(cli
     cached = rs[1].usage.prompt_tokens_details.cached_tokens
     assert cached >= 256 and cached % 128 == 0 and cached < rs[1].usage.prompt_tokens
     for m, r in zip(msgs, rs):
-        ref = base.generate([m], SamplingParams(max_new_tokens=12, cycle_len=1))[0]
+        ref = base.generate([m], SamplingParams(max_new_tokens=12, tau=1))[0]
         assert r.choices[0].message.content == ref.text

@@ -40,7 +40,7 @@ def test_blocks_carry_the_engines_tokens():
     rep = make_replica()
     blocks = asyncio.run(collect(rep, req("a", 20)))
     solo = tiny_engine(tiny_model(seed=21), DMTD).generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=20,
-                                                                                             cycle_len=3))[0]
+                                                                                             tau=3))[0]
     assert [t for b in blocks for t in b.token_ids] == solo.token_ids
     assert [b.k for b in blocks] == [len(x) for x in solo.blocks] and all(b.tau == 3 for b in blocks)
     assert [b.block_index for b in blocks] == list(range(len(blocks)))
@@ -190,8 +190,8 @@ def test_temperatures_below_the_floor_are_greedy():
     assert SamplingParams(temperature=1e-37).greedy and SamplingParams(temperature=0.0).greedy
     assert not SamplingParams(temperature=TEMPERATURE_FLOOR).greedy
     engine = tiny_engine(tiny_model(seed=21), DMTD)
-    greedy = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, cycle_len=2))[0].token_ids
-    tiny = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, cycle_len=2, temperature=1e-37,
+    greedy = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, tau=2))[0].token_ids
+    tiny = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, tau=2, temperature=1e-37,
                                                        seed=3))[0].token_ids
     assert tiny == greedy
 

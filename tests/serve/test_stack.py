@@ -35,7 +35,7 @@ def test_greedy_stream_is_the_engines_own_tokens(stack, smollm2):
                                  ignore_eos=True))
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=1, max_model_len=1024))
-    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=24, cycle_len=3, ignore_eos=True))[0]
+    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=24, tau=3, ignore_eos=True))[0]
     assert [t for b in blocks for t in b.token_ids] == ref.token_ids
     assert "".join(b.text for b in blocks) == ref.text
     assert [b.k for b in blocks] == [len(x) for x in ref.blocks] and all(b.tau == 3 for b in blocks)
@@ -245,7 +245,7 @@ def test_exact_profile_streams_the_base_models_tokens(stack, smollm2):
                                  ignore_eos=True, profile="exact"))
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=1, max_model_len=1024))
-    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=24, cycle_len=1, ignore_eos=True))[0]
+    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=24, tau=1, ignore_eos=True))[0]
     assert [t for b in blocks for t in b.token_ids] == ref.token_ids
     assert all(b.k == b.num_accepted + 1 for b in blocks[1:])  # accepted drafts + the verifier's own token
     last = blocks[-1]
@@ -261,7 +261,7 @@ def test_openai_dmtd_profile_exact_gives_the_base_text(stack, smollm2):
                                            extra_body={"dmtd_profile": "exact", "tau_min": 3, "tau_max": 3})
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=1, max_model_len=1024))
-    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=16, cycle_len=1))[0]
+    ref = engine.generate([CHAT], SamplingParams(max_new_tokens=16, tau=1))[0]
     assert exact.choices[0].message.content == ref.text
     with pytest.raises(BadRequestError) as e:
         client.chat.completions.create(model=VARIANT, messages=CHAT, max_tokens=4, extra_body={"dmtd_profile": "x"})

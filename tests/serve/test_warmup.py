@@ -13,7 +13,7 @@ from tests.engine.test_exact import variant_of
 def test_warm_up_runs_every_pass_kind_at_every_tau_and_leaves_nothing_behind():
     dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
     model, verifier = variant_of(tiny_model(seed=3), 0.02, 3)
-    engine = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=8, max_model_len=128), default_cycle_len=1,
+    engine = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=8, max_model_len=128), default_tau=1,
                        eos_token_ids=[], verifier=verifier)
     seconds = warm_up(engine, tau_max=4, default_profile="exact")
     assert seconds > 0
@@ -21,5 +21,5 @@ def test_warm_up_runs_every_pass_kind_at_every_tau_and_leaves_nothing_behind():
     assert all(n > 0 for n, _ in engine.pass_stats.values())
     assert not engine.has_unfinished() and engine.seqs == {}  # every warm-up request is gone
     # and a request after it is served as usual
-    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, cycle_len=1))[0]
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, tau=1))[0]
     assert len(out.token_ids) == 4

@@ -65,7 +65,7 @@ def corpus_config(model_dir: Path, prompts: list, **kw: object) -> CorpusConfig:
 def tiny_corpus(model_dir: Path, out: Path, n_prompts: int = 12, **kw: object) -> CorpusManifest:
     loaded = load_model(model_dir, tokenizer=False)
     engine = LLMEngine(loaded.model, None, DMTDConfig.plain(6, 1), EngineConfig(max_num_seqs=4, max_model_len=128),
-                       default_cycle_len=1, eos_token_ids=[])
+                       default_tau=1, eos_token_ids=[])
     prompts = tiny_prompts(n_prompts)
     return make_corpus(out, engine, prompts, corpus_config(model_dir, prompts, **kw), progress=False)
 

@@ -34,7 +34,7 @@ def test_same_config_same_bytes_and_hash(tiny_dir: Path, tiny_corpus_dir: Path, 
 def test_interrupted_generation_resumes_to_the_same_corpus(tiny_dir: Path, tiny_corpus_dir: Path, tmp_path: Path):
     loaded = load_model(tiny_dir, tokenizer=False)
     engine = LLMEngine(loaded.model, None, DMTDConfig.plain(6, 1), EngineConfig(max_num_seqs=4, max_model_len=128),
-                       default_cycle_len=1, eos_token_ids=[])
+                       default_tau=1, eos_token_ids=[])
     prompts = tiny_prompts(12)
     cfg = corpus_config(tiny_dir, prompts)
 
@@ -137,7 +137,7 @@ def test_a_mirror_rebuilds_the_corpus_without_generating_and_refuses_a_bad_shard
                                                                                 tmp_path: Path):
     loaded = load_model(tiny_dir, tokenizer=False)
     engine = LLMEngine(loaded.model, None, DMTDConfig.plain(6, 1), EngineConfig(max_num_seqs=4, max_model_len=128),
-                       default_cycle_len=1, eos_token_ids=[])
+                       default_tau=1, eos_token_ids=[])
     prompts = tiny_prompts(12)
     cfg = corpus_config(tiny_dir, prompts)
     mirror = tmp_path / "mirror"

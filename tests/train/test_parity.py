@@ -35,7 +35,7 @@ def engine_logits(engine, prompt: list[int], tau: int, n: int) -> tuple[list[int
 
     engine.runner.logits = capture
     try:
-        res = engine.generate([prompt], SamplingParams(max_new_tokens=n, cycle_len=tau, ignore_eos=True))[0]
+        res = engine.generate([prompt], SamplingParams(max_new_tokens=n, tau=tau, ignore_eos=True))[0]
     finally:
         del engine.runner.logits
     return res.token_ids, res.head_flags, torch.stack(got)
@@ -82,7 +82,7 @@ def test_phase_aligned_batches_match_the_jittered_training_routing(tiny_dir: Pat
     export_variant(trainer.student, cfg, tmp_path / "v", trainer.fingerprint, trainer.corpus.content_hash)
     engine = build_engine(engine_spec(str(tiny_dir), str(tmp_path / "v")), EngineConfig(max_num_seqs=2))
     prompts = tiny_prompts(3, seed=2)
-    params = [SamplingParams(max_new_tokens=n, cycle_len=3, ignore_eos=True) for n in (5, 16, 16)]
+    params = [SamplingParams(max_new_tokens=n, tau=3, ignore_eos=True) for n in (5, 16, 16)]
     results = engine.generate(prompts, params)  # the third row joins mid-flight, off the shared clock
     firsts = []
     for p, res in zip(prompts, results):

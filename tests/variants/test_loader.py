@@ -60,7 +60,7 @@ def test_lean_model_matches_transformers(tmp_path, kind, extra):
     # and incremental decoding through the engine equals HF greedy
     engine = LLMEngine(ours.model, None, dmtd, EngineConfig(max_num_seqs=2, max_model_len=128),
                        eos_token_ids=[])
-    res = engine.generate([ids[0, :12].tolist()], SamplingParams(max_new_tokens=16, cycle_len=1))[0]
+    res = engine.generate([ids[0, :12].tolist()], SamplingParams(max_new_tokens=16, tau=1))[0]
     theirs.generation_config.eos_token_id = None
     out = theirs.generate(ids[:1, :12], attention_mask=torch.ones_like(ids[:1, :12]), max_new_tokens=16,
                           do_sample=False, pad_token_id=0)
@@ -85,7 +85,7 @@ def test_authors_dmtd_checkpoint_loads_and_runs(tmp_path):
     assert (lm.dmtd.num_encoding_layers, lm.dmtd.num_thinking_layers, lm.dmtd.num_decoding_layers) == (1, 2, 1)
     assert lm.dmtd.tau_max == 3 and lm.dmtd.phase_anchor == "absolute" and lm.dmtd.head_input == "residual_add"
     engine = LLMEngine(lm.model, None, lm.dmtd, EngineConfig(max_num_seqs=2, max_model_len=64), eos_token_ids=[])
-    res = engine.generate([list(range(1, 9))], SamplingParams(max_new_tokens=12, cycle_len=3))[0]
+    res = engine.generate([list(range(1, 9))], SamplingParams(max_new_tokens=12, tau=3))[0]
     assert len(res.token_ids) == 12
     assert res.head_flags == [p % 3 == 0 for p in range(7, 19)]
     ids = torch.tensor([list(range(1, 9)) + res.token_ids[:-1]])

@@ -68,7 +68,7 @@ def run_chats_bench(args: argparse.Namespace) -> None:
     def run(engine: tuple[str, str, str], prompt: str, tau: int,
             threshold: float) -> tuple[list[int], float, int, int, int, int]:
         r = engines[engine].generate([[{"role": "user", "content": prompt}]], SamplingParams(
-            max_new_tokens=args.max_new_tokens, cycle_len=tau, exact=True, min_confidence=threshold))[0]
+            max_new_tokens=args.max_new_tokens, tau=tau, exact=True, min_confidence=threshold))[0]
         return (r.token_ids, (len(r.token_ids) - 1) / r.decode_time_s, r.num_accepted, r.num_drafted,
                 r.num_context_accepted, r.num_context_drafted)
 

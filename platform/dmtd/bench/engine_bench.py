@@ -59,7 +59,7 @@ def bench_hf(path: Path, ids: list[int], batch: int, new_tokens: int, repeats: i
 def bench_engine(engine: LLMEngine, ids: list[int], batch: int, tau: int, new_tokens: int, repeats: int) -> dict:
     best: dict[str, Any] = {"tok_s": 0.0}
     for _ in range(repeats):
-        res = engine.generate([ids] * batch, SamplingParams(max_new_tokens=new_tokens + 1, cycle_len=tau,
+        res = engine.generate([ids] * batch, SamplingParams(max_new_tokens=new_tokens + 1, tau=tau,
                                                             ignore_eos=True))
         t = max(r.decode_time_s for r in res)
         tok_s = sum(len(r.token_ids) - 1 for r in res) / t
@@ -213,7 +213,7 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     engines = {dq: build_engine(spec, dataclasses.replace(ecfg, draft_quant=dq)) for dq in dqs}
     autos = {dq: build_engine(spec, dataclasses.replace(ecfg, adaptive_drafts=True, draft_quant=dq)) for dq in dqs}
     for e in [*engines.values(), *autos.values()]:
-        e.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, cycle_len=2, exact=True))  # warm-up
+        e.generate(chat_prompts(1), SamplingParams(max_new_tokens=4, tau=2, exact=True))  # warm-up
     rows = []
     tau_auto = max(taus + [spec.dmtd.tau_max])
     jobs = [(b, 1, False, dqs[0]) for b in batches]

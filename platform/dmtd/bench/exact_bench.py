@@ -36,7 +36,7 @@ def run_exact(engine: LLMEngine, batch: int, tau: int, threshold: float, new_tok
     prompts = chat_prompts(batch)
     for _ in range(repeats):
         engine.pass_stats.clear()
-        res = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens + 1, cycle_len=tau, exact=True,
+        res = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens + 1, tau=tau, exact=True,
                                                       min_confidence=threshold if tau > 1 else 0.0,
                                                       ignore_eos=True))
         wall = max(r.decode_time_s for r in res)

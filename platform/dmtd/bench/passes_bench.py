@@ -41,7 +41,7 @@ def _run(eng: LLMEngine, tau: int, max_new_tokens: int, into: dict[str, Any]) ->
     eng.pass_stats.clear()
     for p in CHATS:
         r = eng.generate([[{"role": "user", "content": p}]], SamplingParams(
-            max_new_tokens=max_new_tokens, cycle_len=tau, exact=True, min_confidence=0.0))[0]
+            max_new_tokens=max_new_tokens, tau=tau, exact=True, min_confidence=0.0))[0]
         into["tokens"] += len(r.token_ids)
         into["drafted"] += r.num_drafted
         into["accepted"] += r.num_accepted
@@ -60,7 +60,7 @@ def run_passes_bench(args: argparse.Namespace) -> dict[str, Any]:
     eng = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, dtype=args.dtype,
                                           adaptive_drafts=False, draft_quant=args.draft_quant))
     for t in taus:  # warm-up: every pass kind and shape once (kernels built and loaded, TorchScript profiled)
-        eng.generate([[{"role": "user", "content": CHATS[0]}]], SamplingParams(max_new_tokens=16, cycle_len=t,
+        eng.generate([[{"role": "user", "content": CHATS[0]}]], SamplingParams(max_new_tokens=16, tau=t,
                                                                              exact=True, min_confidence=0.0))
     got: dict[int, dict[str, Any]] = {t: {"tokens": 0, "drafted": 0, "accepted": 0, "passes": {}} for t in taus}
     for _, tau in tqdm([(r, t) for r in range(args.rounds) for t in taus], desc="bench passes", unit="run"):

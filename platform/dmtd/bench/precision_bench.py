@@ -105,7 +105,7 @@ def stream_gb_s(precision: str, working_set_mb: int = 512, repeats: int = 3) -> 
 # -- quality -----------------------------------------------------------------------------------------------
 def greedy_chats(engine: LLMEngine, n_prompts: int, new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     prompts = [engine.encode(p) for p in chat_prompts(n_prompts)]
-    res = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, cycle_len=1, ignore_eos=True))
+    res = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, tau=1, ignore_eos=True))
     return prompts, [r.token_ids for r in res]
 
 

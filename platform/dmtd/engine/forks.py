@@ -1,10 +1,10 @@
-"""Sequences that share a prompt (the OpenAI API's ``n``): one prefill, its KV copied to each sibling's kv_row.
+"""Sequences that share a prompt (the OpenAI API's ``n``): one prefill, its KV copied to each sibling's cache row.
 
 A request added with ``prefill_with`` naming a sibling that is still waiting, with the same prompt and the same
 verifying path, waits beside it instead of in the queue. When the sibling's prefill step runs, each such request
-takes a kv_row of its own (or, with none free, goes to the queue and prefills itself), the prompt's rows of every KV
+takes a cache row of its own (or, with none free, goes to the queue and prefills itself), the prompt's rows of every KV
 buffer are copied into it, and it samples its first token from the sibling's last-position logits with its own
-generator: from then on it is a sequence like any other. A prompt's KV has the same bits whichever kv_row holds it
+generator: from then on it is a sequence like any other. A prompt's KV has the same bits whichever cache row holds it
 (the runner prefills one prompt at a time), so a copy decodes exactly as its own prefill would have.
 """
 

@@ -1,8 +1,12 @@
-"""The KV cache manager (torch-free): which cache row and which KV pages each sequence holds, and the prefix cache.
+"""The KV cache manager (torch-free): which cache row and which KV pages each sequence holds, how far each layer
+group's KV of it reaches, and the prefix cache.
 
 The scheduler decides who runs; it asks the manager for a sequence's row and pages (admission, growth before a step,
-release) and the manager answers from the page pool (:mod:`dmtd.engine.kv_pages`) and the published prompt chunks
-(:mod:`dmtd.engine.prefix_cache`). The runner only reads the page table these lists fill.
+release) and tells it what a step computed (a prompt chunk, a head, a draft, a check); the manager answers from the
+page pool (:mod:`dmtd.engine.kv_pages`) and the published prompt chunks (:mod:`dmtd.engine.prefix_cache`) and keeps
+the sequence's KV facts (``Sequence.kv_row``, ``num_prefilled`` / ``prefill_end`` / ``num_cached_tokens``, the
+thinking group's ``num_think_cached``, the tail path's ``num_tail_cached``, ``resume_len``): nothing else writes
+them (``tests/engine/test_kv_ownership.py``). The runner only reads them and the page table.
 """
 
 from __future__ import annotations
@@ -125,6 +129,51 @@ class KVCacheManager:
         keys = seq.prefix_keys[: seq.num_prefilled // self.chunk]
         per = self.chunk // self.pages.page_size
         self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.kv_row][: len(keys) * per]))
+
+    # -- what a step computed: the sequence's fill levels, written here only -------------------------------------
+    def plan_prefill(self, seq: Sequence, end: int) -> None:
+        """The next prefill step computes ``seq``'s positions ``num_prefilled .. end - 1``."""
+        seq.prefill_end = end
+
+    def prefilled(self, seq: Sequence) -> bool:
+        """After its prefill step: the chunk is in the cache (published where whole). True where that brought a
+        preempted sequence back where it was (it decodes on, every group's KV up to there)."""
+        seq.num_prefilled = seq.prefill_end
+        self.publish(seq)
+        if seq.resume_len and seq.num_prefilled == seq.resume_len:
+            seq.num_think_cached = seq.num_tail_cached = seq.resume_len
+            seq.resume_len = 0
+            return True
+        return False
+
+    def copied_prompt(self, seq: Sequence) -> None:
+        """A sibling's prompt KV was copied into ``seq``'s row (dmtd.engine.forks)."""
+        seq.num_prefilled = seq.num_tokens
+
+    def first_token(self, seq: Sequence) -> None:
+        """The prompt's last position ran the full stack: every group's KV reaches the end of the prompt."""
+        seq.num_think_cached = seq.num_tail_cached = seq.num_tokens
+
+    def head(self, seq: Sequence, pos: int) -> None:
+        """A head ran at ``pos`` (refilling the thinking group over the tails before it)."""
+        seq.num_think_cached = pos + 1
+
+    def drafted(self, seq: Sequence) -> None:
+        """The tail path wrote its KV at the position its draft pass fed."""
+        seq.num_tail_cached = seq.draft_position + 1
+
+    def checked(self, seq: Sequence, head: int) -> None:
+        """A check whose last token came from the verifier's logits at ``head``: the rejected drafts' KV is rewritten
+        before it is read again, and the head's tail KV needs head routing."""
+        seq.num_tail_cached = min(seq.num_tail_cached, head)
+        seq.num_think_cached = head + 1
+
+    def preempted(self, seq: Sequence) -> None:
+        """``seq`` lets its row and pages go and will be prefilled again over its prompt and every token but its
+        last (which the next step feeds as it would have)."""
+        self.release(seq)
+        seq.num_prefilled = seq.prefill_end = 0
+        seq.resume_len = seq.num_tokens - 1
 
     def release(self, seq: Sequence) -> None:
         """``seq`` lets its row and pages go (its published chunks stay cached)."""

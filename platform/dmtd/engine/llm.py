@@ -36,7 +36,7 @@ class LLMEngine:
     """
 
     def __init__(self, model: Transformer, tokenizer: Any, dmtd: DMTDConfig,
-                 cfg: EngineConfig | None = None, default_cycle_len: int | None = None,
+                 cfg: EngineConfig | None = None, default_tau: int | None = None,
                  eos_token_ids: list[int] | None = None, verifier: Verifier | None = None,
                  draft_vocab: list[int] | None = None, phrase_table: PhraseTable | None = None) -> None:
         self.cfg = cfg or EngineConfig()
@@ -46,7 +46,7 @@ class LLMEngine:
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
                                    self.cfg.max_prefill_tokens, self.cfg.align_phases, self.cfg.prefill_chunk,
                                    self.cfg.prefix_caching, self.runner.cache.pages)
-        self.default_cycle_len = default_cycle_len or dmtd.tau_max
+        self.default_tau = default_tau or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.append(int(tokenizer.eos_token_id))
@@ -93,8 +93,8 @@ class LLMEngine:
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.seqs:
             raise RequestError("request_id", f"{req_id!r} is already in use")
-        tau = params.cycle_len if params.cycle_len is not None else self.default_cycle_len
-        seq = Sequence(req_id, self.encode(prompt), params, cycle_len=tau)
+        tau = params.tau if params.tau is not None else self.default_tau
+        seq = Sequence(req_id, self.encode(prompt), params, tau=tau)
         self.shaper.add(req_id, params)
         try:
             if not (prefill_with and self.forks.attach(seq, self.seqs.get(prefill_with))):
@@ -112,11 +112,20 @@ class LLMEngine:
         self.requests[req_id] = RequestState(seq, detok, gen)
         return req_id
 
-    def set_cycle_len(self, req_id: str, tau: int) -> None:
-        """Change a running request's τ; it takes effect at its next head."""
-        if not 1 <= tau <= self.dmtd.tau_max:
+    def retune(self, req_id: str, tau: int | None = None, min_confidence: float | None = None) -> None:
+        """Change a running request's τ and / or its confidence gate (the replica's controller); a new τ takes
+        effect at its next head. Unknown or finished requests are left alone."""
+        if tau is not None and not 1 <= tau <= self.dmtd.tau_max:
             raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max}, got {tau}")
-        self.seqs[req_id].cycle_len = tau
+        if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:  # NaN fails too
+            raise RequestError("min_confidence", f"must be in [0, 1], got {min_confidence}")
+        req = self.requests.get(req_id)
+        if req is None or req.seq.finished:
+            return
+        if tau is not None:
+            req.seq.tau = tau
+        if min_confidence is not None:
+            req.seq.params.min_confidence = min_confidence
 
     def abort(self, req_id: str) -> bool:
         """Cancel a request; its cache row is free on return. False if it was unknown or done."""
@@ -238,7 +247,7 @@ class LLMEngine:
         for s in seqs:
             self.scheduler.finish(s, "error", "the model produced non-finite logits")
             results.append(StepOutput(s.req_id, -1, s.next_is_head, math.nan, "", s.block or None, None,
-                                      s.cycle_len, True, "error", s.error))
+                                      s.tau, True, "error", s.error))
             self._forget(s.req_id)
         return results
 
@@ -261,7 +270,7 @@ class LLMEngine:
                         ev.block, ev.block_confidences = seq.block, seq.block_confidences
                         seq.block, seq.block_confidences = [], []
         res = StepOutput(ev.req_id, ev.token_id, ev.is_head, ev.confidence, delta, ev.block, ev.block_confidences,
-                         seq.cycle_len, ev.finished, ev.finish_reason)
+                         seq.tau, ev.finished, ev.finish_reason)
         lp = self.shaper.emitted(ev.req_id, ev.token_id)
         if not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):  # an EOS that ends the text is no text
             res.logprob = lp

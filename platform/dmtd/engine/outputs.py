@@ -43,7 +43,7 @@ class StepOutput:
     text_delta: str
     block: list[int] | None = None
     block_confidences: list[float] | None = None
-    cycle_len: int = 1
+    tau: int = 1
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -88,10 +88,7 @@ class Prefill:
     def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor:
         """Which of ``s``'s positions ``pos`` route the deep state into the decoding group: prompt positions by the
         phase convention, its own tokens' positions (a resume after a preemption) as they were fed."""
-        if self.dmtd.phase_anchor == "absolute":
-            head = pos % s.cycle_len == 0
-        else:
-            head = torch.ones_like(pos, dtype=torch.bool)
+        head = pos % s.tau == 0 if self.dmtd.phase_anchor == "absolute" else torch.ones_like(pos, dtype=torch.bool)
         if s.tail_positions and int(pos.max()) >= s.prompt_len:
             tails = torch.tensor(sorted(s.tail_positions), device=pos.device)
             gen = pos >= s.prompt_len

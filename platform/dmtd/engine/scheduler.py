@@ -49,10 +49,10 @@ class TokenEvent:
 
 
 class Scheduler:
-    """Admits and retires sequences at any step; one KV-cache kv_row (a row of the page table) per sequence from its
-    admission, and the KV pages of the positions it writes (:mod:`dmtd.engine.kv_pages`).
+    """Admits and retires sequences at any step; one KV-cache row (``kv_row``: a row of the page table) per sequence
+    from its admission, and the KV pages of the positions it writes (:mod:`dmtd.engine.kv_pages`).
 
-    A sequence is admitted when its prompt's pages are free (or held by free kv_rows' cached prompts, which are dropped
+    A sequence is admitted when its prompt's pages are free (or held by free rows' cached prompts, which are dropped
     oldest first), with a page of growth left for each running sequence. Before a decode step every running
     sequence gets the pages of the positions the step may write; where the pool runs dry the newest sequence is
     preempted — its pages freed, itself queued first, to be prefilled again over its prompt and its tokens so far
@@ -112,9 +112,9 @@ class Scheduler:
                 "prompt", f"{seq.num_tokens} tokens do not fit the context of {self.max_model_len} "
                 f"(at most {self.max_model_len - 1} prompt tokens)"
             )
-        if not 1 <= seq.cycle_len <= self.dmtd.tau_max:
+        if not 1 <= seq.tau <= self.dmtd.tau_max:
             raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max} (the variant's tau_max), "
-                               f"got {seq.cycle_len}")
+                               f"got {seq.tau}")
         self.kv.check(seq)
         self.waiting.append(seq)
 
@@ -143,7 +143,7 @@ class Scheduler:
                 end = target if left <= budget else seq.num_prefilled + budget // C * C
                 if end == seq.num_prefilled:
                     break
-                seq.prefill_end = end
+                self.kv.plan_prefill(seq, end)
                 budget -= end - seq.num_prefilled
                 out.prefill.append(seq)
         self._last_prefill = bool(out.prefill)
@@ -160,13 +160,11 @@ class Scheduler:
                 self.preempt(max(self.running + self.prefilling, key=lambda s: s.seq_no))
 
     def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s kv_row and pages and queue it first: it is prefilled again over its prompt and the tokens it
-        has so far, and goes on from there (its emitted tokens stay emitted)."""
+        """Free ``seq``'s cache row and pages and queue it first: it is prefilled again over its prompt and the tokens
+        it has so far, and goes on from there (its emitted tokens stay emitted)."""
         (self.prefilling if seq in self.prefilling else self.running).remove(seq)
-        self.kv.release(seq)
+        self.kv.preempted(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_prefilled = seq.prefill_end = 0
-        seq.resume_len = seq.num_tokens - 1
         seq.clear_drafts()
         seq.num_preempted += 1
         self.num_preempted += 1
@@ -181,7 +179,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """A cache row and KV pages for ``seq`` (its prompt's published chunks shared); False (back to the queue's
         head) if the pool cannot give them."""
-        salt = f"{int(seq.params.exact)}:{seq.cycle_len if self.dmtd.phase_anchor == 'absolute' else 0}"
+        salt = f"{int(seq.params.exact)}:{seq.tau if self.dmtd.phase_anchor == 'absolute' else 0}"
         if not self.kv.admit(seq, salt):
             self.waiting.appendleft(seq)
             return False
@@ -198,11 +196,7 @@ class Scheduler:
         is now complete run from the next step and are returned, in order."""
         done = []
         for seq in seqs:
-            seq.num_prefilled = seq.prefill_end
-            self.kv.publish(seq)
-            if seq.resume_len and seq.num_prefilled == seq.resume_len:  # back where it was preempted: decode on
-                seq.num_think_cached = seq.num_tail_cached = seq.resume_len
-                seq.resume_len = 0
+            if self.kv.prefilled(seq):  # back where it was preempted: decode on
                 seq.draft_done = seq.params.exact and seq.max_drafts(self.max_model_len) == 0
                 self.prefilling.remove(seq)
                 self.running.append(seq)
@@ -216,10 +210,11 @@ class Scheduler:
         return done
 
     def admit_prefilled(self, seq: Sequence) -> bool:
-        """Run a sequence whose prompt KV another kv_row's prefill made (dmtd.engine.forks): a kv_row now, or False."""
+        """Run a sequence whose prompt KV another sequence's prefill made (dmtd.engine.forks): a cache row now, or
+        False."""
         if not self.kv.admit_prefilled(seq):
             return False
-        seq.num_prefilled = seq.num_tokens
+        self.kv.copied_prompt(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.running.sort(key=lambda s: s.kv_row)
@@ -252,17 +247,17 @@ class Scheduler:
                 events.append(ev)
                 continue
             if out.is_prefill:
-                is_head, seq.next_head_pos = self.dmtd.first_head_after_prompt(seq.num_tokens, seq.cycle_len)
-                seq.num_think_cached = seq.num_tail_cached = seq.num_tokens
+                is_head, seq.next_head_pos = self.dmtd.first_head_after_prompt(seq.num_tokens, seq.tau)
+                self.kv.first_token(seq)
             else:
                 is_head = pos == seq.next_head_pos
                 if is_head:
-                    seq.num_think_cached = pos + 1
-                    seq.next_head_pos = self.dmtd.next_head(pos, seq.cycle_len)
+                    self.kv.head(seq, pos)
+                    seq.next_head_pos = self.dmtd.next_head(pos, seq.tau)
             if not (out.is_prefill or seq.params.exact):  # what a resume after a preemption replays
                 (seq.tail_positions.discard if is_head else seq.tail_positions.add)(pos)
             if is_head and self.align_phases and len(self.running) > 1:  # alone, a row keeps full cycles
-                seq.next_head_pos = pos + self._steps_to_aligned_head(step, seq.cycle_len)
+                seq.next_head_pos = pos + self._steps_to_aligned_head(step, seq.tau)
             seq.num_heads += is_head
             seq.num_tails += not is_head
             seq.token_ids.append(tok)
@@ -293,7 +288,7 @@ class Scheduler:
         or at a draft whose confidence is below ``min_confidence`` (the gate decides only how much to draft).
         """
         for seq, tok, conf in zip(seqs, tokens, confidences):
-            seq.num_tail_cached = seq.draft_position + 1  # the tail wrote its KV at the position it fed
+            self.kv.drafted(seq)
             seq.add_drafts([tok], TAILS)
             if (seq.stops_at(tok, eos_ids) or conf < seq.params.min_confidence
                     or len(seq.drafts) >= seq.max_drafts(self.max_model_len)):
@@ -306,8 +301,7 @@ class Scheduler:
         A verifier token below ``min_confidence`` skips the next cycle's drafting (its head comes next).
         """
         head = seq.position + num_accepted  # the position whose verifier logits gave the last token
-        seq.num_tail_cached = min(seq.num_tail_cached, head)  # the head's tail KV needs head routing
-        seq.num_think_cached = head + 1
+        self.kv.checked(seq, head)
         seq.clear_drafts()  # the engine counts the cycle's drafts (dmtd.engine.draft_sources.DraftLedger)
         events = []
         for j, (tok, conf) in enumerate(zip(tokens, confidences)):
@@ -347,7 +341,7 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Retire a sequence (finished, cancelled or failed) and free its kv_row at once."""
+        """Retire a sequence (finished, cancelled or failed) and free its cache row at once."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -355,6 +349,5 @@ class Scheduler:
             self.kv.release(seq)  # its published chunks stay cached
         else:
             self.waiting.remove(seq)
-        seq.kv_row = -1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.error = reason, error

@@ -36,7 +36,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    cycle_len: int | None = None  # τ; None = the variant's default
+    tau: int | None = None  # τ; None = the variant's default
     min_confidence: float = 0.0  # the gate; with ``exact`` it only stops drafting
     exact: bool = False  # verified cycles: tails are drafts the next head checks; output = the verifier's
     # the request's shaping of the logits its tokens are drawn from (dmtd.engine.logits_process)
@@ -56,8 +56,8 @@ class SamplingParams:
             raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise RequestError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        if self.cycle_len is not None and self.cycle_len < 1:
-            raise RequestError("tau", f"must be >= 1, got {self.cycle_len}")
+        if self.tau is not None and self.tau < 1:
+            raise RequestError("tau", f"must be >= 1, got {self.tau}")
         if not (0.0 <= self.min_confidence <= 1.0):
             raise RequestError("min_confidence", f"must be in [0, 1], got {self.min_confidence}")
         if any(not s for s in self.stop):
@@ -99,7 +99,7 @@ class Sequence:
     req_id: str
     token_ids: list[int]
     params: SamplingParams
-    cycle_len: int
+    tau: int
     prompt_len: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     kv_row: int = -1  # its row of the KV cache's page table (dmtd.engine.kv_manager); -1: none
@@ -193,7 +193,7 @@ class Sequence:
     def draft_room(self, max_model_len: int) -> int:
         """Drafts a cycle may check, whoever makes them: τ − 1, bounded so the check fits the budget and the context."""
         left = self.params.max_new_tokens - self.num_generated
-        return max(0, min(self.cycle_len - 1, left - 1, max_model_len - len(self.token_ids)))
+        return max(0, min(self.tau - 1, left - 1, max_model_len - len(self.token_ids)))
 
     def max_drafts(self, max_model_len: int) -> int:
         """Tail drafts worth making this cycle: :meth:`draft_room`, at most the policy's ``draft_target``."""

@@ -36,7 +36,7 @@ class BlockDelivery:
     def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
         assert self.telemetry is not None
         prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
-        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.cycle_len) for o in outputs])
+        self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.tau) for o in outputs])
         heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
         self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
 
@@ -56,10 +56,10 @@ class BlockDelivery:
         confs = list(o.block_confidences or []) or [0.0]
         interval_ms = (now - live.t_last) * 1e3
         if live.block_index > 0 and tokens:
-            self.controller.observe_block(len(tokens), o.cycle_len, interval_ms)
+            self.controller.observe_block(len(tokens), o.tau, interval_ms)
         block = Block(
             request_id=o.req_id, token_ids=tokens, text="".join(live.text), block_index=live.block_index,
-            k=len(tokens), tau=o.cycle_len, min_confidence=seq.min_confidence if seq is not None else 0.0,
+            k=len(tokens), tau=o.tau, min_confidence=seq.min_confidence if seq is not None else 0.0,
             confidence=(min(confs), sum(confs) / len(confs), max(confs)),
             block_ms=interval_ms, replica=self.replica_name,
             queue_ms=max(0.0, (live.t_admit_wall - live.req.arrival_s) * 1e3) if live.block_index == 0 else 0.0,
@@ -71,7 +71,7 @@ class BlockDelivery:
         if self.telemetry is not None:
             cut = seq is not None and seq.cycles_cut > live.cycles_cut
             live.cycles_cut = seq.cycles_cut if seq is not None else live.cycles_cut
-            self.telemetry.on_block(o.req_id, len(tokens), o.cycle_len, block.block_index, cut, min(confs),
+            self.telemetry.on_block(o.req_id, len(tokens), o.tau, block.block_index, cut, min(confs),
                                     interval_ms)
             self.telemetry.on_checked(o.num_drafted, o.num_accepted)
         if o.finished:

@@ -66,7 +66,7 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
         rid = f"w{w}-{j}"
         live[rid] = _Req(w, j, (lo, hi), time.perf_counter())
         engine.add_request([{"role": "user", "content": prompts[i % len(prompts)]}],
-                           SamplingParams(max_new_tokens=max_new, ignore_eos=True, cycle_len=tau,
+                           SamplingParams(max_new_tokens=max_new, ignore_eos=True, tau=tau,
                                           min_confidence=d.min_confidence), req_id=rid)
 
     t_start = time.perf_counter()
@@ -91,7 +91,7 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
             elif k:
                 interval = (now - (r.last or now)) * 1e3
                 r.itl_ms.extend([interval / k] * k)
-                ctl.observe_block(k, o.cycle_len, interval)
+                ctl.observe_block(k, o.tau, interval)
             r.last = now
             r.tokens += k
             if o.finished:
@@ -108,13 +108,7 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
         ctl.observe_load(engine.num_waiting, engine.num_running)
         d = ctl.decision
         for rid in live:
-            seq = engine.seqs.get(rid)
-            if seq is None:
-                continue
-            tau = max(lo, min(hi, d.tau))
-            if seq.cycle_len != tau:
-                engine.set_cycle_len(rid, tau)
-            seq.params.min_confidence = d.min_confidence
+            engine.retune(rid, max(lo, min(hi, d.tau)), d.min_confidence)
         for w, j in successors:
             submit(w, j)
     return results, time.perf_counter() - t_start

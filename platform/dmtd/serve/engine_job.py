@@ -98,13 +98,7 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
         e.abort(rid)
         e.release(rid)
     for rid, (tau, pinned) in job.taus.items():
-        seq = e.seqs.get(rid)
-        if seq is None:
-            continue
-        if seq.cycle_len != tau:
-            e.set_cycle_len(rid, tau)
-        if not pinned:
-            seq.params.min_confidence = job.min_confidence
+        e.retune(rid, tau, None if pinned else job.min_confidence)
     added: list[tuple[str, BaseException | None, float, int]] = []
     for rid, _tau, _conf, params in job.admissions:
         try:

@@ -22,7 +22,7 @@ def warm_up(engine: Any, tau_max: int, default_profile: str) -> float:
     prompt: Any = ([{"role": "user", "content": "Say hello in one short sentence."}]
                    if getattr(engine, "tokenizer", None) is not None else list(range(1, 9)))
     exact = [default_profile == "exact", default_profile != "exact"]
-    params = [SamplingParams(max_new_tokens=WARM_TOKENS, cycle_len=tau, exact=e, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=WARM_TOKENS, tau=tau, exact=e, ignore_eos=True)
               for tau in sorted({1, *range(2, tau_max + 1)}) for e in exact]
     engine.generate([prompt], params[0])  # alone: one-row passes
     engine.generate([prompt] * len(params), params)  # a batch: several rows, mixed τ and profiles

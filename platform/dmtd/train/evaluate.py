@@ -99,7 +99,7 @@ class Evaluator:
         return LLMEngine(model, self.tokenizer, dmtd,
                          EngineConfig(max_num_seqs=batch, max_model_len=self.cfg.max_len + 64, device=self.device,
                                       dtype=self.cfg.dtype, quant=self.cfg.quant),
-                         default_cycle_len=1, verifier=verifier, draft_vocab=self.draft_vocab if exact else None)
+                         default_tau=1, verifier=verifier, draft_vocab=self.draft_vocab if exact else None)
 
     # -- judged generations -----------------------------------------------------------------------
     @torch.no_grad()
@@ -125,7 +125,7 @@ class Evaluator:
 
     def generate(self, engine: LLMEngine, prompts: list[list[int]], tau: int, conf: float = 0.0,
                  ignore_eos: bool = False, max_new: int | None = None, exact: bool = False) -> list[GenerationResult]:
-        sp = SamplingParams(max_new_tokens=max_new or self.cfg.max_new_tokens, cycle_len=tau, min_confidence=conf,
+        sp = SamplingParams(max_new_tokens=max_new or self.cfg.max_new_tokens, tau=tau, min_confidence=conf,
                             ignore_eos=ignore_eos, exact=exact)
         return engine.generate(prompts, sp)
 

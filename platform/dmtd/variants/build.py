@@ -272,7 +272,7 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
 
 
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
-    return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_cycle_len=spec.default_tau,
+    return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_tau=spec.default_tau,
                      verifier=spec.verifier, draft_vocab=spec.draft_vocab,
                      phrase_table=spec.phrase_table)
 
