@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from dmtd_contract.serve_config import ServeConfig
 from dmtd_operator import resources as r
 from dmtd_operator.spec import DMTDDeploymentSpec, Variant
 
@@ -82,6 +83,28 @@ def _replica_actor(spec: DMTDDeploymentSpec) -> Body:
     return {"num_gpus": gpus} if gpus else {"num_cpus": worker_cpus(spec), "num_gpus": 0}
 
 
+def serve_args(t: Target, grpc_tls: Body) -> Body:
+    """The Serve app's arguments (`build_app`'s `ServeConfig`), validated by that model: the engine settings the
+    spec sets (the others keep the serving side's defaults), the variants, where to listen and what to report."""
+    s = t.spec
+    args: Body = {
+        "deployment": t.name,
+        "namespace": t.namespace,
+        "registry_url": t.registry_url,
+        "variants": [variant_args(v) for v in s.variants],
+        "gpus_per_replica": s.resources.gpus_per_replica,
+        "metrics_port": r.METRICS_PORT,
+        "grpc_host": "0.0.0.0",
+        "grpc_port": r.GATEWAY_GRPC_PORT,
+        "gateway_resources": {r.GATEWAY_RESOURCE: 1},
+        "usd_per_gpu_hour": s.cost.usd_per_gpu_hour,
+        "replica_type": s.resources.gpu_type or "gpu",
+        **grpc_tls,
+        **s.engine.model_dump(exclude_defaults=True),
+    }
+    return ServeConfig.parse(args).model_dump(mode="json", exclude_unset=True)
+
+
 def serve_config(t: Target) -> Body:
     """The Serve config (serveConfigV2) as a dict."""
     s = t.spec
@@ -96,20 +119,7 @@ def serve_config(t: Target) -> Body:
                 "name": r.SERVE_APP_NAME,
                 "route_prefix": s.serving.route_prefix,
                 "import_path": r.SERVE_IMPORT_PATH,
-                "args": {
-                    "deployment": t.name,
-                    "namespace": t.namespace,
-                    "registry_url": t.registry_url,
-                    "variants": [variant_args(v) for v in s.variants],
-                    "gpus_per_replica": s.resources.gpus_per_replica,
-                    "metrics_port": r.METRICS_PORT,
-                    "grpc_host": "0.0.0.0",
-                    "grpc_port": r.GATEWAY_GRPC_PORT,
-                    "gateway_resources": {r.GATEWAY_RESOURCE: 1},
-                    "usd_per_gpu_hour": s.cost.usd_per_gpu_hour,
-                    "replica_type": s.resources.gpu_type or "gpu",
-                    **grpc_tls,
-                },
+                "args": serve_args(t, grpc_tls),
                 "deployments": [
                     {
                         "name": r.REPLICA_DEPLOYMENT,

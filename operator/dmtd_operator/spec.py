@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from dmtd_contract.serve_config import EngineSettings
 from dmtd_operator import __version__
 
 # The image `make images` builds and the chart runs (tagged with the chart's appVersion = this version).
@@ -255,6 +256,14 @@ class Serving(_Model):
     )
 
 
+class Engine(EngineSettings):
+    """Each replica's engine: sequences at once, context, KV pool, queue, precision and drafts. The serving side's
+    own model (`dmtd_contract.serve_config.EngineSettings`) under camelCase names: its defaults and rules are the
+    ones `dmtd serve` and the Serve app apply; the operator passes the fields set here to the Serve app."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
 class MetricsConfig(_Model):
     """Where the operator reads its metric windows."""
 
@@ -285,6 +294,7 @@ class DMTDDeploymentSpec(_Model):
     capacity: Capacity = Field(default_factory=Capacity, description="Replica capacity model.")
     cost: Cost = Field(default_factory=Cost, description="GPU price.")
     serving: Serving = Field(default_factory=Serving, description="Serving image and registry.")
+    engine: Engine = Field(default_factory=Engine, description="Each replica's engine settings.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics source.")
 
     @model_validator(mode="after")

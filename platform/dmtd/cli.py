@@ -23,9 +23,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dmtd.engine.sequence import RequestError
     from dmtd.variants.manifest import ManifestError
     from dmtd.variants.smollm2 import ModelNotFoundError
+    from dmtd_contract.serve_config import ServeConfigError
 
     errors: tuple[type[BaseException], ...] = (UsageError, ConfigError, RequestError, ManifestError,
-                                               ModelNotFoundError)
+                                               ModelNotFoundError, ServeConfigError)
     try:
         from dmtd.train.errors import TRAIN_USER_ERRORS
     except ImportError:  # pragma: no cover - a build without the training package

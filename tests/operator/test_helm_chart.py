@@ -54,6 +54,14 @@ VALUES: dict[str, dict[str, Any]] = {
         "grafanaDashboard": {"namespace": "monitoring"},
     },
     "ephemeral-redis": {"redis": {"persistence": {"enabled": False}}, "gateway": {"type": "NodePort"}},
+    "engine-settings": {
+        "defaultDeployment": {
+            "spec": {
+                "variants": [{"name": "smollm2-dmtd", "modelUri": "registry://smollm2-135m-dmtd", "weight": 100}],
+                "engine": {"maxNumSeqs": 16, "maxModelLen": 4096, "drafts": "fixed", "phraseDrafts": False},
+            },
+        },
+    },
 }
 
 
@@ -197,3 +205,16 @@ def test_api_keys_and_tls_secrets_reach_the_serving_pods(tmp_path: Path) -> None
         {"variants": [{"name": "v", "modelUri": "m"}]}), 1, 1, 1, "redis://x"))
     head = plain["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
     assert "volumes" not in head and all(e["name"] != "DMTD_API_KEYS" for e in head["containers"][0]["env"])
+
+
+def test_engine_values_reach_the_serve_apps_arguments(tmp_path: Path) -> None:
+    """The chart's `defaultDeployment.spec.engine` is the CRD's engine section: the operator passes what it sets to
+    the Serve app, under the serving config's names; a value out of its rule is refused by the CRD's schema."""
+    (cr,) = [d for d in template(tmp_path, "engine-settings") if d["kind"] == r.KIND]
+    spec = DMTDDeploymentSpec.model_validate(cr["spec"])
+    rs = render.ray_service(render.Target("smollm2", "dmtd", spec, 1, 1, 4, "redis://x"))
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert {k: args[k] for k in ("max_num_seqs", "max_model_len", "drafts", "phrase_drafts")} == {
+        "max_num_seqs": 16, "max_model_len": 4096, "drafts": "fixed", "phrase_drafts": False}
+    bad = {**cr, "spec": {**cr["spec"], "engine": {"maxNumSeqs": 0}}}
+    assert any(e.startswith("spec.engine.maxNumSeqs") for e in cr_errors(bad))

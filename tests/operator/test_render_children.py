@@ -11,8 +11,9 @@ import kopf
 import pytest
 import yaml
 from manifests import validate_builtin
+from pydantic import ValidationError
 
-from dmtd_operator import render
+from dmtd_operator import crd, render
 from dmtd_operator import resources as r
 from dmtd_operator.children import api_errors, contains, ensure, ready_replicas, ref_of
 from dmtd_operator.kube import ApiError, Body, ConflictError, NotFoundError, ObjectRef
@@ -239,3 +240,23 @@ def test_cpu_replicas_name_their_variant_and_stay_off_the_head() -> None:
     assert worker["rayStartParams"] == {"num-cpus": "2"}
     env = {e["name"]: e["value"] for e in worker["template"]["spec"]["containers"][0]["env"]}
     assert env["DMTD_TORCH_THREADS"] == "2"
+
+
+def test_the_engine_settings_the_spec_sets_reach_the_serve_app_and_the_rest_keep_the_serving_defaults() -> None:
+    """`spec.engine` is the serving side's own EngineSettings (camelCase): one set of defaults and rules, and the
+    Serve app's arguments carry only what the spec changes, checked by the app's ServeConfig."""
+    from dmtd_contract.serve_config import EngineSettings, ServeConfig
+
+    plain = yaml.safe_load(render.ray_service(target())["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert not set(EngineSettings.model_fields) & set(plain)
+    rs = render.ray_service(target(engine={"maxNumSeqs": 8, "drafts": "fixed", "phraseDrafts": False}))
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    assert {k: app["args"][k] for k in ("max_num_seqs", "drafts", "phrase_drafts")} == {
+        "max_num_seqs": 8, "drafts": "fixed", "phrase_drafts": False}
+    cfg = ServeConfig.parse(app["args"])  # what build_app reads
+    assert cfg.engine(cfg.variants[0]) == EngineSettings(max_num_seqs=8, drafts="fixed", phrase_drafts=False)
+    schema = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    engine = schema["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert engine["maxNumSeqs"]["default"] == EngineSettings().max_num_seqs and engine["maxNumSeqs"]["minimum"] == 1
+    with pytest.raises(ValidationError, match="maxNumSeqs"):
+        target(engine={"maxNumSeqs": 0})

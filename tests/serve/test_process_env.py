@@ -1,20 +1,36 @@
-"""The settings ``build_app`` reads (dmtd.serve.settings): the processes' environment, stream interval, drafts."""
+"""The settings ``build_app`` reads (dmtd_contract.serve_config.ServeConfig, through dmtd.serve.settings): the
+processes' environment, stream interval, drafts, and the replica's engine settings."""
 
 from __future__ import annotations
 
 import pytest
 
-from dmtd.serve.settings import (
-    DEFAULT_STREAM_INTERVAL_MS,
-    context_drafts_setting,
-    drafts_setting,
-    gateway_process_env,
-    replica_process_env,
-    stream_interval,
-)
+from dmtd.serve.settings import DEFAULT_STREAM_INTERVAL_MS, EngineSettings, serve_config
+from dmtd.serve.settings import gateway_process_env as _gateway_env
+from dmtd.serve.settings import replica_process_env as _replica_env
 
 KNOBS = ("DMTD_WORKER_NICENESS", "DMTD_GATEWAY_NICENESS", "DMTD_SERVE_USER_THREAD", "DMTD_SERVE_ROUTER_THREAD",
          "DMTD_OMP_WAIT_POLICY", "DMTD_OMP_SPIN_COUNT", "DMTD_STREAM_INTERVAL_MS")
+
+
+def gateway_process_env(args):
+    return _gateway_env(serve_config(args))
+
+
+def replica_process_env(args):
+    return _replica_env(serve_config(args))
+
+
+def stream_interval(args):
+    return serve_config(args).stream_interval_ms
+
+
+def drafts_setting(value):
+    return EngineSettings.model_validate({"drafts": value}).drafts
+
+
+def context_drafts_setting(value):
+    return EngineSettings.model_validate({"context_drafts": value}).context_drafts
 
 
 @pytest.fixture(autouse=True)
@@ -80,10 +96,10 @@ def test_drafts_default_to_adaptive_and_name_their_field():
 
 def test_the_replicas_engine_takes_the_context_drafts_setting():
     """`context_drafts: false` (`dmtd serve --no-context-drafts`) reaches the replica's engine; the default is on."""
-    from dmtd.serve.app import EngineFactory
+    from dmtd.serve.engine_builder import EngineBuilder
 
     for setting in (True, False):
-        engine, _ = EngineFactory(variant="smollm2-135m-dmtd", max_num_seqs=2, max_model_len=256, torch_threads=1,
-                                  context_drafts=setting)()
+        engine, _ = EngineBuilder(variant="smollm2-135m-dmtd", torch_threads=1, settings=EngineSettings(
+            max_num_seqs=2, max_model_len=256, context_drafts=setting))()
         assert engine.cfg.context_drafts is setting and engine.cfg.adaptive_drafts is True
-    assert EngineFactory().context_drafts is True
+    assert EngineBuilder().settings.context_drafts is True

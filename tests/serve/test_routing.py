@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 
 from dmtd.serve.routing import Route, Router
-from dmtd_contract.registry import VariantNotFound, pick_weighted
+from dmtd_contract.registry import RouteInfo, VariantNotFound, pick_weighted
 
 
 def router(**weights: float) -> Router:
-    routes = {n: Route(n, object(), {"traffic_weight": w, "status": "active"}) for n, w in weights.items()}
+    routes = {n: Route(n, object(), RouteInfo(traffic_weight=w, status="active")) for n, w in weights.items()}
     return Router(routes, default="stable", rng=random.Random(7))
 
 

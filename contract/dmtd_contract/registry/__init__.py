@@ -25,6 +25,7 @@ from dmtd_contract.registry.errors import (
     VariantNotFound,
 )
 from dmtd_contract.registry.keys import RegistryKeys
+from dmtd_contract.registry.route_info import RouteInfo
 from dmtd_contract.registry.routing import RegistrySnapshot, pick_weighted
 from dmtd_contract.registry.watcher import RegistryChange, RegistryView, RegistryWatcher
 from dmtd_contract.variant_schema import STATUSES, VariantStatus
@@ -32,6 +33,7 @@ from dmtd_contract.variant_schema import STATUSES, VariantStatus
 __all__ = [
     "STATUSES", "TUNABLE_FIELDS", "InvalidTransition", "InvalidVariant", "RegistryChange", "RegistryClient",
     "RegistryConflict", "RegistryCorrupt", "RegistryError", "RegistryKeys", "RegistrySnapshot",
-    "RegistryUnavailable", "RegistryView", "RegistryWatcher", "VariantEntry", "VariantExists", "VariantNotActive",
+    "RegistryUnavailable", "RegistryView", "RegistryWatcher",
+    "RouteInfo", "VariantEntry", "VariantExists", "VariantNotActive",
     "VariantNotFound", "VariantSpec", "VariantStatus", "pick_weighted",
 ]

@@ -301,10 +301,11 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
               "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
               "requests_per_worker": args.requests_per_worker, "rows": rows}
     if started:
-        from dmtd.serve.settings import block_push, stream_interval
+        from dmtd.serve.settings import serve_config
 
-        result["stream_interval_ms"] = stream_interval({"stream_interval_ms": args.stream_interval_ms})
-        result["block_push"] = block_push({"block_push": args.block_push})
+        given = {"stream_interval_ms": args.stream_interval_ms, "block_push": args.block_push}
+        cfg = serve_config({k: v for k, v in given.items() if v is not None})  # as start_stack read them
+        result["stream_interval_ms"], result["block_push"] = cfg.stream_interval_ms, cfg.block_push
     print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
           f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
     for r in rows:

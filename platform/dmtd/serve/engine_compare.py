@@ -1,6 +1,6 @@
 """``dmtd bench serve --compare-engine``: the serve bench's closed-loop workload run on an in-process engine.
 
-Same prompts, same max tokens, same variant (built as a replica builds it: ``app.EngineFactory``), same τ
+Same prompts, same max tokens, same variant (built as a replica builds it: ``engine_builder.EngineBuilder``), same τ
 policy: fixed bounds pin τ; ``adaptive`` feeds a :class:`TauController` the observations the replica's
 engine loop feeds it (every block's interval, the load after every step) and applies its τ and gate. N
 workers each send their requests back to back: a worker's next request is added as soon as its previous
@@ -116,11 +116,13 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
 
 def build_local_engine(variant: str, model: str | None, decoding_layers: int | None, max_num_seqs: int,
                        itl_slo_ms: float) -> tuple[LLMEngine, ControllerConfig]:
-    """The engine and controller settings a replica of this variant builds (``app.EngineFactory``), on every
+    """The engine and controller settings a replica of this variant builds (``EngineBuilder``), on every
     core of this machine."""
     import os
 
-    from dmtd.serve.app import EngineFactory
+    from dmtd.serve.engine_builder import EngineBuilder
+    from dmtd.serve.settings import EngineSettings
 
-    return EngineFactory(variant=variant, model=model, decoding_layers=decoding_layers, max_num_seqs=max_num_seqs,
-                         itl_slo_ms=itl_slo_ms, torch_threads=os.cpu_count() or 1)()
+    return EngineBuilder(variant=variant, model=model, decoding_layers=decoding_layers,
+                         torch_threads=os.cpu_count() or 1,
+                         settings=EngineSettings(max_num_seqs=max_num_seqs, itl_slo_ms=itl_slo_ms))()

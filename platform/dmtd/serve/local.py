@@ -13,7 +13,7 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from dmtd.serve.binding import HOST_ENV
-from dmtd.serve.settings import DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from dmtd.serve.settings import ServeConfig, engine_default, serve_config
 
 READY_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 
@@ -51,14 +51,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "with AVX-512 or AVX2)")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default=None,
                    help="replicas' weight-only quantisation (default: the variant's recommendation, else none)")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="sequences a replica runs at once")
-    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="a sequence's positions at most (prompt + answer)")
-    p.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS,
-                   help="positions of a replica's KV pool, shared by its sequences in pages of 16 (default: what 16 "
-                   "sequences of 2,048 held)")
+    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"),
+                   help="sequences a replica runs at once (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"),
+                   help="a sequence's positions at most, prompt + answer (default %(default)s)")
+    p.add_argument("--kv-cache-tokens", type=int, default=engine_default("kv_cache_tokens"),
+                   help="positions of a replica's KV pool, shared by its sequences in pages of 16 "
+                   "(default %(default)s: what 16 sequences of 2,048 held)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="size the KV pool by memory instead")
-    p.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-token ITL SLO the τ controller aims at")
+    p.add_argument("--max-queued", type=int, default=engine_default("max_queued"),
+                   help="requests a replica holds waiting beyond --max-num-seqs before it refuses "
+                   "(default %(default)s)")
+    p.add_argument("--itl-slo-ms", type=float, default=engine_default("itl_slo_ms"),
+                   help="per-token ITL SLO the τ controller aims at (default %(default)s)")
     p.add_argument("--drafts", choices=("adaptive", "fixed"), default=None,
                    help="how replicas draft for exact requests: 'adaptive' (default: the count that pays, none "
                    "where none does) or 'fixed' (up to τ − 1 a cycle)")
@@ -66,6 +71,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="exact greedy requests draft with the tails only; by default a cycle may instead check the "
                    "tokens that followed an earlier occurrence of the context's last few tokens, or the variant's "
                    "phrase table's, where that pays")
+    p.add_argument("--no-phrase-drafts", action="store_true",
+                   help="as the default, without the variant's phrase table (prompt lookup and tails only)")
     p.add_argument("--block-push", default=None, metavar="auto|off|ADDRESS",
                    help="replicas push blocks straight to a TCP sink of the gateway (default auto: on loopback when "
                    "the gateway is); off: blocks travel as items of the Serve call, gathered by --stream-interval-ms")
@@ -191,7 +198,37 @@ def stop_log_monitor() -> bool:
         return False
 
 
+def serve_args(args: argparse.Namespace, variant: str) -> ServeConfig:
+    """``dmtd serve``'s flags as the Serve app's config (a flag left at None: the config's default, or its
+    ``DMTD_*`` environment variable); a bad value raises ``ServeConfigError`` before anything starts."""
+    name = variant if variant != "none" else ("base" if args.decoding_layers is None else
+                                              f"base-d{args.decoding_layers}")
+    metrics_port = getattr(args, "metrics_port", 9464)
+    given = {
+        "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
+                      "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
+                      "quant": getattr(args, "quant", None)}],
+        "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
+        "max_model_len": getattr(args, "max_model_len", None),
+        "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
+        "kv_cache_gib": getattr(args, "kv_cache_gib", None), "max_queued": getattr(args, "max_queued", None),
+        "routing": getattr(args, "routing", None), "itl_slo_ms": args.itl_slo_ms, "metrics_port": metrics_port,
+        "replica_metrics_port": metrics_port + 1,
+        "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
+        "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
+        "tls_cert_file": getattr(args, "tls_cert", None), "tls_key_file": getattr(args, "tls_key", None),
+        "stream_interval_ms": getattr(args, "stream_interval_ms", None),
+        "block_push": getattr(args, "block_push", None),
+        "drafts": getattr(args, "drafts", None), "context_drafts": not getattr(args, "no_context_drafts", False),
+        "phrase_drafts": not getattr(args, "no_phrase_drafts", False),
+    }
+    # a flag not given leaves its setting out: the environment's fallback, then the model's default
+    return serve_config({k: v for k, v in given.items() if v is not None})
+
+
 def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    cfg = serve_args(args, variant)
+    name = cfg.variants[0].name
     prepare_environment(float(getattr(args, "ready_timeout_s", 60.0)))
     from dmtd.registry import embedded_redis, registry_url
 
@@ -204,30 +241,12 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False, _node_ip_address="127.0.0.1")  # Ray's own servers on loopback
     stop_log_monitor()
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    cert, key = cfg.tls_cert_file, cfg.tls_key_file
     http_options: dict[str, Any] = {"host": args.host, "port": args.http_port}
     if cert or key:
         http_options.update(ssl_certfile=cert, ssl_keyfile=key)
-    name = variant if variant != "none" else ("base" if args.decoding_layers is None else
-                                              f"base-d{args.decoding_layers}")
     ensure_registered(url, name, variant, args.model, args.decoding_layers)
-    app = build_app({
-        "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
-                      "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
-                      "quant": getattr(args, "quant", None)}],
-        "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
-        "max_model_len": getattr(args, "max_model_len", DEFAULT_MAX_MODEL_LEN),
-        "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
-        "kv_cache_gib": getattr(args, "kv_cache_gib", None),
-        "routing": getattr(args, "routing", "prefix"),
-        "itl_slo_ms": args.itl_slo_ms, "registry_url": url, "metrics_port": getattr(args, "metrics_port", 9464),
-        "replica_metrics_port": getattr(args, "metrics_port", 9464) + 1,
-        "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),
-        "replica_type": getattr(args, "replica_type", None), "api_keys_file": getattr(args, "api_keys_file", None),
-        "tls_cert_file": cert, "tls_key_file": key, "stream_interval_ms": getattr(args, "stream_interval_ms", None),
-        "block_push": getattr(args, "block_push", None), "drafts": getattr(args, "drafts", None),
-        "context_drafts": not getattr(args, "no_context_drafts", False),
-    })
+    app = build_app(cfg.model_copy(update={"registry_url": url}))
 
     def start() -> None:
         serve.start(http_options=http_options)

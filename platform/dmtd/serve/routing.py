@@ -8,25 +8,26 @@ from the registry or from the app's arguments.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmtd_contract.registry import VariantNotFound, pick_weighted
+from dmtd_contract.registry import RouteInfo, VariantNotFound, pick_weighted
 
 
 @dataclass(slots=True)
 class Route:
     name: str
     handle: Any  # a Serve DeploymentHandle (or any object with the same ``options().generate_batches.remote`` API)
-    info: dict[str, Any] = field(default_factory=dict)
+    info: RouteInfo = field(default_factory=RouteInfo)
 
     @property
     def weight(self) -> float:
-        return float(self.info.get("traffic_weight", 1.0))
+        return self.info.traffic_weight
 
     @property
     def active(self) -> bool:
-        return self.info.get("status", "active") == "active"
+        return self.info.status == "active"
 
 
 class Router:
@@ -52,13 +53,12 @@ class Router:
             raise VariantNotFound(None, "no active variant to route to")
         return self.routes[pick_weighted([(r.name, r.weight) for r in active], self.rng.random())]
 
-    def update(self, name: str, info: dict[str, Any], revision: int = 0) -> None:
-        """Apply a registry change (status, weight, τ range …) to a served variant."""
+    def update(self, name: str, changes: RouteInfo | Mapping[str, Any], revision: int = 0) -> None:
+        """Apply a registry change (a whole ``RouteInfo``, or some of its fields) to a served variant."""
         if name in self.routes:
-            self.routes[name].info.update(info)
-        if info.get("is_default"):
-            self.default = name
+            route = self.routes[name]
+            route.info = changes if isinstance(changes, RouteInfo) else route.info.updated(changes)
         self.revision = max(self.revision, revision)
 
     def infos(self) -> list[dict[str, Any]]:
-        return [{**r.info, "name": n, "is_default": n == self.default} for n, r in sorted(self.routes.items())]
+        return [{**r.info.public(), "name": n, "is_default": n == self.default} for n, r in sorted(self.routes.items())]

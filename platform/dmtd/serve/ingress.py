@@ -1,0 +1,241 @@
+"""The gateway's Serve ingress: ``Gateway`` runs the gRPC server (dmtd.serve.gateway) on its event loop and serves the
+OpenAI HTTP routes, the dashboard and health on FastAPI; it follows the registry and Serve's replica counts.
+``GatewayIngress`` is the class ``build_app`` (dmtd.serve.app) deploys."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse
+from ray import serve
+
+from dmtd.serve import prefix_router
+from dmtd.serve.auth import ApiKeys, server_credentials
+from dmtd.serve.binding import bind_serve_internal_grpc
+from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
+from dmtd.serve.openai_api import error_body, install_openapi, model_profile, read_body
+from dmtd.serve.openai_models import expand, openai_field, openai_text, parse_body
+from dmtd.serve.openai_route import OpenAIResponder
+from dmtd.serve.push import BlockSink
+from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
+from dmtd.serve.routing import Route, Router
+from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
+from dmtd.telemetry.gateway import GatewayTelemetry
+from dmtd.telemetry.logs import configure_json_logging
+from dmtd.web import asset_path
+from dmtd_contract import metric_names as m
+from dmtd_contract.registry import RouteInfo
+
+# no /docs or /redoc: FastAPI's pages load their scripts from a CDN; /openapi.json stays
+http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over DMTD replicas", docs_url=None,
+                   redoc_url=None)
+install_openapi(http_app)
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+               "INTERNAL": 500, "UNAVAILABLE": 503}
+
+
+
+class Gateway:
+    """Serve ingress: runs the gRPC server on the replica's event loop and serves the OpenAI HTTP routes."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self, replicas: dict[str, Any], variants: list[dict[str, Any]], default: str | None = None,
+        grpc_host: str = "127.0.0.1", grpc_port: int = 9000, max_inflight: int = 64, registry_url: str | None = None,
+        telemetry: dict[str, Any] | None = None, replica_deployments: dict[str, str] | None = None,
+        limits: dict[str, Any] | None = None, api_keys_file: str | None = None, tls_cert_file: str | None = None,
+        tls_key_file: str | None = None, block_push: str = "auto",
+    ) -> None:
+        bind_serve_internal_grpc()
+        routes = {v["name"]: Route(v["name"], replicas[v["name"]], RouteInfo.model_validate(v)) for v in variants}
+        if telemetry is not None:
+            configure_json_logging()
+        self.telemetry = GatewayTelemetry(telemetry_settings(telemetry) if telemetry is not None
+                                          else TelemetrySettings(metrics_port=None))
+        self.sink = await BlockSink(_sink_host(block_push, grpc_host)).start() if block_push != "off" else None
+        self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight,
+                                self.telemetry, Limits(**(limits or {})), self.sink)
+        self.keys = ApiKeys.load(api_keys_file)
+        self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
+                                                              server_credentials(tls_cert_file, tls_key_file))
+        self.replica_deployments = replica_deployments or {}
+        variant_of = {dep: v for v, dep in self.replica_deployments.items()}
+        for v in variant_of.values():  # a zero series of each reason from the start
+            for reason in prefix_router.REASONS:
+                self.telemetry.ins.add(m.ROUTE_DECISIONS_TOTAL, 0, variant=v, reason=reason)
+        prefix_router.LISTENERS.append(lambda dep, reason: self.telemetry.ins.add(
+            m.ROUTE_DECISIONS_TOTAL, 1, variant=variant_of.get(dep, dep), reason=reason))
+        self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
+        self.view: Any = None
+        if registry_url:
+            from dmtd_contract.registry import RegistryClient, RegistryView
+
+            self.view = RegistryView(RegistryClient(registry_url))
+            self.view.add_listener(self._on_registry)
+            await self.view.start()
+
+    def _on_registry(self, snapshot: Any, change: Any) -> None:
+        """Follow the registry: status, canary weight, τ range and default of every served variant."""
+        router = self.core.router
+        default = snapshot.default_name if hasattr(snapshot, "default_name") else None
+        for name in list(router.routes):
+            try:
+                entry = snapshot.get(name)
+            except Exception:
+                continue
+            router.update(name, RouteInfo.from_entry(entry), snapshot.revision)
+        if default in router.routes:
+            router.default = default
+
+    async def _follow_replicas(self, period_s: float = 10.0, start_period_s: float = 1.0) -> None:
+        """Keep the replicas-ready gauge (and the dashboard's $/hour) at Serve's count of running replicas.
+
+        Every ``start_period_s`` until each variant has a running replica, then every ``period_s``, and never
+        on this event loop's time: one ``serve.status()`` cost this process ~0.14 s of CPU (pydantic models
+        and a cloudpickled router class per deployment; py-spy: 21% of the gateway's samples under load with
+        a 2-s period), and the controller as much again, on the cores the replicas decode on. The controller's
+        plain instance details, counted here, skip the models on this side."""
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        app: str | None = None
+        while True:
+            all_up = False
+            with contextlib.suppress(Exception):
+                app = app or serve.get_replica_context().app_name
+                client: Any = _get_global_client()
+                details = await client._controller.get_serve_instance_details.remote()
+                deployments = details["applications"][app]["deployments"]
+                for variant, dep in self.replica_deployments.items():
+                    replicas = deployments.get(dep, {}).get("replicas", [])
+                    self.telemetry.replicas_ready[variant] = sum(
+                        1 for r in replicas if str(getattr(r.get("state"), "value", r.get("state"))) == "RUNNING")
+                all_up = all(self.telemetry.replicas_ready.get(v, 0) > 0 for v in self.replica_deployments)
+            await asyncio.sleep(period_s if all_up else start_period_s)
+
+    async def warm(self, max_new_tokens: int = 2) -> dict[str, float]:
+        """One short chat request per served variant through the gateway's own path (routing, the Serve handle's
+        first call, the block channel, the replica's stream), so that a first client request does not pay them
+        (``dmtd serve`` runs it before it says it serves); returns each variant's seconds."""
+        from dmtd_contract.records import ReplicaRequest
+
+        out = {}
+        for name, route in list(self.core.router.routes.items()):
+            t = time.perf_counter()
+            req = ReplicaRequest(request_id=f"warm-{uuid.uuid4().hex[:12]}", prompt=None,
+                                 messages=[{"role": "user", "content": "Hello!"}], max_new_tokens=max_new_tokens)
+            async for _ in self.core.stream(route, req):
+                pass
+            out[name] = time.perf_counter() - t
+        return out
+
+    async def info(self) -> dict[str, Any]:
+        sink = self.sink
+        return {"grpc_port": self.grpc_port, "pid": os.getpid(), "inflight": self.core.inflight,
+                "accepted": self.core.accepted,
+                "completed": self.core.completed, "variants": self.core.router.infos(),
+                "metrics_url": self.telemetry.metrics_url,
+                "block_sink": None if sink is None else {"address": sink.address, "open": sink.num_open,
+                                                         "frames": sink.num_frames, "dropped": sink.num_dropped}}
+
+    async def finished_spans(self, trace_id: str | None = None) -> list[dict[str, Any]]:
+        """Finished spans held by the in-memory exporter (all, or one trace's)."""
+        return self.telemetry.tracing.finished_spans(trace_id)
+
+    def _refused(self, request: Request) -> JSONResponse | None:
+        """401 unless the request carries an accepted API key (always None when no keys are configured)."""
+        if self.keys.accepts_header(request.headers.get("authorization")):
+            return None
+        self.telemetry.rejected("", "UNAUTHENTICATED")
+        basic = "/dashboard" in request.url.path  # a browser asks for the key as a password
+        return JSONResponse(error_body("missing or invalid API key (send Authorization: Bearer <key>)",
+                                       "authentication_error", code="invalid_api_key"), 401,
+                            headers={"WWW-Authenticate": 'Basic realm="dmtd"' if basic else "Bearer"})
+
+    @http_app.get("/dashboard")
+    async def dashboard(self, request: Request) -> Any:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        path = asset_path("dashboard.html")
+        assert path is not None, "dmtd.web is installed without its static assets"
+        return FileResponse(path, media_type="text/html")
+
+    @http_app.get("/dashboard/assets/{name}")
+    async def dashboard_asset(self, name: str, request: Request) -> Any:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        path = asset_path(name)
+        if path is None:
+            return JSONResponse({"error": f"no asset {name!r}"}, 404)
+        return FileResponse(path)
+
+    @http_app.get("/dashboard/stats")
+    async def dashboard_stats(self, request: Request) -> Any:
+        return self._refused(request) or self.telemetry.stats()
+
+    @http_app.get("/v1/models")
+    async def models(self, request: Request) -> Any:
+        data = [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd", "dmtd": model_profile(i)}
+                for i in self.core.router.infos() if i.get("status", "active") == "active"]
+        return self._refused(request) or {"object": "list", "data": data}
+
+    @http_app.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._openai(request, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: Request, chat: bool) -> Any:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        try:
+            raw = await read_body(request, self.core.limits.max_body_bytes)
+            req, body = parse_body(raw, chat, time.time(), self.core.limits)
+            route = self.core.admit(body.model if body.model not in ("", "default") else "")
+        except InvalidRequest as e:
+            self.telemetry.rejected("", "INVALID_ARGUMENT")
+            status = 413 if isinstance(e, TooLarge) else 400
+            return JSONResponse(error_body(str(e), "invalid_request_error", e.field), status)
+        except GatewayError as e:
+            return self._error(e, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        responder = OpenAIResponder(self.core, route, body, expand(req, body.n or 1), chat, rid, self._error)
+        return await responder.respond(request.headers.get("traceparent"))
+
+    @staticmethod
+    def _error(e: GatewayError, chat: bool = False) -> JSONResponse:
+        status = HTTP_STATUS.get(e.code.name, 500)
+        headers = {"Retry-After": str(max(1, (e.retry_after_ms or 1000) // 1000))} if status == 429 else None
+        message, param = str(e), None
+        if e.field:  # the replica names its own field; the client knows the OpenAI API's
+            param = openai_field(e.field, chat)
+            message = f"{param}: {openai_text(message.removeprefix(e.field + ': '))}"
+        kind = "invalid_request_error" if status == 400 else e.code.name.lower()
+        return JSONResponse(error_body(message, kind, param), status, headers=headers)
+
+
+def _sink_host(setting: str, grpc_host: str) -> str:
+    """The block sink's listening address for a ``block_push`` setting (``ServeConfig.block_push``)."""
+    if setting != "auto":
+        return setting
+    if grpc_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1" if grpc_host != "::1" else "::1"
+    import ray
+
+    return str(ray.util.get_node_ip_address())  # what the replicas on other nodes reach this one by
+
+
+# Applied at import time, in every process: Serve rewrites the class's routes on this module's app object,
+# and replicas import this module afresh rather than unpickling the driver's rewritten app.
+GatewayIngress = serve.ingress(http_app)(Gateway)
