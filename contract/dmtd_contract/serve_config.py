@@ -166,6 +166,8 @@ class ServeConfig(EngineSettings):
     torch_threads: int = Field(
         default=0, ge=0, description="A replica's torch threads (0: env DMTD_TORCH_THREADS, else replica_num_cpus "
         "with several replicas, else every core).")
+    namespace: str | None = Field(default=None, description="The DMTDDeployment's Kubernetes namespace (the "
+                                  "operator sets it; informational).")
     grpc_host: str = Field(default="127.0.0.1",
                            description="Address the gateway's gRPC server binds (0.0.0.0 on Kubernetes).")
     grpc_port: int = Field(default=9000, ge=0, le=65535, description="The gateway's gRPC port.")

@@ -80,3 +80,21 @@ def test_the_replicas_engine_takes_the_phrase_drafts_setting() -> None:
     engine, _ = EngineBuilder(variant="smollm2-135m-dmtd", torch_threads=1, settings=EngineSettings(
         max_num_seqs=2, max_model_len=256, phrase_drafts=False))()
     assert engine.cfg.phrase_drafts is False and engine.phrase_table is None and engine.cfg.context_drafts is True
+
+
+def test_what_the_operator_renders_is_what_build_app_accepts() -> None:
+    """The RayService's args (dmtd_operator.render) pass the serving side's own check, engine settings included."""
+    import yaml
+
+    from dmtd_operator import render
+    from dmtd_operator.spec import DMTDDeploymentSpec
+
+    spec = DMTDDeploymentSpec.model_validate({"variants": [{"name": "v", "modelUri": "registry://smollm2-135m-dmtd"}],
+                                              "engine": {"maxNumSeqs": 8, "phraseDrafts": False},
+                                              "serving": {"tlsSecret": "tls"}})
+    rs = render.ray_service(render.Target("d", "ns", spec, 1, 1, 4, "redis://x"))
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    cfg = serve_config(args, environ={})
+    assert (cfg.namespace, cfg.variants[0].loads, cfg.grpc_host, cfg.tls_key_file) == (
+        "ns", "smollm2-135m-dmtd", "0.0.0.0", f"{render.TLS_DIR}/tls.key")
+    assert cfg.engine(cfg.variants[0]) == EngineSettings(max_num_seqs=8, phrase_drafts=False)
