@@ -160,3 +160,15 @@ def test_retune_changes_tau_and_the_gate_of_a_running_request_and_refuses_bad_va
         eng.step()
     eng.retune(rid, tau=1)
     assert eng.seqs[rid].tau == 3  # finished: left as it ended
+
+
+def test_a_request_torch_refuses_at_admission_leaves_nothing_behind():
+    """A seed torch's generator refuses (past SamplingParams' checks, as a replica's loop may hand it over): the call
+    raises, no record, no queue entry, no cache row; the next request runs as if it never came."""
+    eng = tiny_engine(tiny_model(seed=3), DMTD)
+    with pytest.raises(RuntimeError, match="manual_seed"):
+        eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7, seed="x"), req_id="poison")
+    assert "poison" not in eng.seqs and not eng.has_unfinished() and eng.num_waiting == 0
+    assert eng.abort("poison") is False
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0]
+    assert len(out.token_ids) == 4 and eng.scheduler.num_free_kv_rows == eng.cfg.max_num_seqs

@@ -95,21 +95,21 @@ class LLMEngine:
             raise RequestError("request_id", f"{req_id!r} is already in use")
         tau = params.tau if params.tau is not None else self.default_tau
         seq = Sequence(req_id, self.encode(prompt), params, tau=tau)
-        self.shaper.add(req_id, params)
-        try:
-            if not (prefill_with and self.forks.attach(seq, self.seqs.get(prefill_with))):
-                self.scheduler.add(seq)
-        except RequestError:
-            self.shaper.drop(req_id)
-            raise
-        if params.exact:
-            self.cycles.enable()
         gen = None
-        if not params.greedy:
+        if not params.greedy:  # before anything is queued: a seed torch refuses leaves no trace
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.shaper.add(req_id, params)
         self.requests[req_id] = RequestState(seq, detok, gen)
+        try:
+            if not (prefill_with and self.forks.attach(seq, self.seqs.get(prefill_with))):
+                self.scheduler.add(seq)
+        except BaseException:  # refused (a RequestError) or broken: the request leaves nothing behind
+            self._forget(req_id)
+            raise
+        if params.exact:
+            self.cycles.enable()
         return req_id
 
     def retune(self, req_id: str, tau: int | None = None, min_confidence: float | None = None) -> None:
