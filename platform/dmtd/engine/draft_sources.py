@@ -70,12 +70,9 @@ class PhraseTableDrafts:
         return (after_tails(band), cont) if cont else None
 
 
-def context_sources(lookup: bool, table: PhraseTable | None) -> list[DraftSource]:
+def context_sources(phrase: PhraseTableDrafts | None) -> list[DraftSource]:
     """The pass-free sources a greedy exact request's cycle may draft from, in the order they are tried."""
-    out: list[DraftSource] = [PromptLookup()] if lookup else []
-    if table is not None:
-        out.append(PhraseTableDrafts(table))
-    return out
+    return [PromptLookup(), *([phrase] if phrase is not None else [])]
 
 
 def parts(sources: list[str]) -> list[tuple[str, int, int]]:

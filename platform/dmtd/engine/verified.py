@@ -41,7 +41,7 @@ class VerifiedCycles:
         self.draft_gate = DraftGate()  # whether drafts pay at all at the batch's size (measured, adaptive drafts)
         self.ledger = DraftLedger()  # drafts counted by source, per request and over every request so far
         self.phrase_drafts = PhraseTableDrafts(phrase_table) if phrase_table is not None else None
-        self.sources = context_sources(True, phrase_table)  # the pass-free sources (context_drafts)
+        self.sources = context_sources(self.phrase_drafts)  # the pass-free sources (context_drafts)
         self.forced_drafts = True  # a grammar's forced tokens are drafts of exact greedy requests (forced)
 
     def enable(self) -> None:
