@@ -20,3 +20,9 @@ def test_bench_engine_on_a_gpu_refuses_the_cpu_only_rows(capsys):
     """HF generate and llama.cpp rows run on the CPU: --device cuda with them is refused before any load."""
     assert main(["bench", "engine", "--device", "cuda", "--model", "/nonexistent/model"]) == 2
     assert "--device: cuda: the HF and llama.cpp rows run on the CPU only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--taus", "0,2"), ("--rounds", "0"), ("--max-new-tokens", "0")])
+def test_bench_passes_names_the_flag_below_one(flag, value, capsys):
+    assert main(["bench", "passes", flag, value]) == 2
+    assert f"{flag}: must be at least 1" in capsys.readouterr().err

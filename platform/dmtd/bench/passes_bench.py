@@ -52,8 +52,9 @@ def _run(eng: LLMEngine, tau: int, max_new_tokens: int, into: dict[str, Any]) ->
 
 def run_passes_bench(args: argparse.Namespace) -> dict[str, Any]:
     taus = sorted({1, *(int(t) for t in str(args.taus).split(",") if t)})
-    if taus[0] < 1 or args.rounds < 1 or args.max_new_tokens < 1:
-        raise RequestError("--taus", "cycle lengths, --rounds and --max-new-tokens must be at least 1")
+    for flag, low in (("--taus", taus[0]), ("--rounds", args.rounds), ("--max-new-tokens", args.max_new_tokens)):
+        if low < 1:
+            raise RequestError(flag, f"must be at least 1, got {low}")
     spec = engine_spec(None, args.variant, dtype=getattr(torch, args.dtype), search_dirs=[SHIPPED_VARIANTS])
     if max(taus) > spec.dmtd.tau_max:
         raise RequestError("--taus", f"the variant's cycles are at most {spec.dmtd.tau_max} long, got {max(taus)}")
