@@ -1,8 +1,8 @@
-"""One job on a replica's engine thread (``engine_loop.EngineLoop`` sends them back to back): the aborts, the
-controller's τ and gate for the live requests, the admissions (each prompt tokenised right before it is added),
-one step, and what dispatching the step's blocks needs of each sequence, read before finished ones are
-released. Only this code touches the engine; the event loop sees the records below, and keeps a ``Live``
-record of each request it serves."""
+"""One job on a replica's engine thread (which takes them back to back from what ``engine_loop.EngineLoop``
+stages): the aborts, the admissions (each prompt tokenised right before it is added), the controller's τ and gate
+for the live requests, one step, and what dispatching the step's blocks needs of each sequence, read before
+finished ones are released. Only this code touches the engine; the event loop sees the records below, and
+keeps a ``Live`` record of each request it serves."""
 
 from __future__ import annotations
 
@@ -86,19 +86,22 @@ class Done:
     num_waiting: int
     num_running: int
     unfinished: bool
+    t_start: float = 0.0  # when the job started and ended on the engine thread (perf_counter)
+    t_end: float = 0.0
 
 
 def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list[int]]) -> Done:
-    """On the engine's thread: aborts, the controller's τ and gate, admissions (each prompt tokenised right
-    before it is added), then one step if any request is unfinished; what dispatching the step's outputs
-    needs of their sequences is read here, and finished sequences are released, so the event loop never
-    touches the engine while the next job runs. An exception of the step itself propagates."""
+    """On the engine's thread: aborts, admissions (each prompt tokenised right before it is added), the
+    controller's τ and gate (after the admissions: a request admitted in this job with parameters staged before
+    the decision gets it too; unknown and finished requests are left alone), then one step if any request is
+    unfinished; what dispatching the step's outputs needs of their sequences is read here, and finished
+    sequences are released, so the event loop never touches the engine. An exception of the step itself
+    propagates."""
+    t_start = time.perf_counter()
     e = engine
     for rid in job.aborts:
         e.abort(rid)
         e.release(rid)
-    for rid, (tau, pinned) in job.taus.items():
-        e.retune(rid, tau, None if pinned else job.min_confidence)
     added: list[tuple[str, BaseException | None, float, int]] = []
     for rid, _tau, _conf, params in job.admissions:
         try:
@@ -107,6 +110,8 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
             added.append((rid, None, time.time(), e.seqs[rid].prompt_len))
         except Exception as err:
             added.append((rid, err, time.time(), 0))
+    for rid, (tau, pinned) in job.taus.items():
+        e.retune(rid, tau, None if pinned else job.min_confidence)
     outputs, cpu_s, info = None, 0.0, {}
     if e.has_unfinished():
         cpu0 = time.thread_time()
@@ -120,7 +125,8 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
         for o in outputs:
             if o.finished:
                 e.release(o.req_id)
-    return Done(added, outputs, cpu_s, info, e.num_waiting, e.num_running, e.has_unfinished())
+    return Done(added, outputs, cpu_s, info, e.num_waiting, e.num_running, e.has_unfinished(), t_start,
+                time.perf_counter())
 
 
 

@@ -1,11 +1,24 @@
 """The replica's engine loop: admissions, steps, block dispatch, the controller's τ and gate.
 
-Only the engine's thread touches the engine: each job on a one-thread executor runs the aborts, the
-controller's τ and gate, the admissions (each prompt tokenised right before it is added), one step, and
-reads what dispatching that step's blocks needs. The loop task sends the next job as soon as a step returns
-and dispatches the step's blocks while the next one runs, so the event loop keeps serving while the model
-computes and the model does not wait for the event loop. One request's failure ends that request only; a
-supervisor restarts the loop if it ever ends.
+Only the engine's thread touches the engine, and it takes its jobs itself (vLLM v1's busy loop): the event
+loop only *stages* work for it (admissions, each with its sampling parameters; aborts; the controller's τ and
+gate for every live request) in an inbox under a lock, and the engine thread, after each job, takes what was
+staged meanwhile and runs the next job at once (the aborts, the admissions, each prompt tokenised right before
+it is added, the τ and gate, one step) as long as the engine has unfinished requests or anything is staged.
+Each job's result (``Done``) goes back to the event loop through a deque and one ``call_soon_threadsafe``
+wake-up; the event loop consumes them in order (admission bookkeeping, telemetry, dispatching the step's blocks,
+the controller) while the engine computes the next step. So the engine never waits for the event loop between
+steps: before, each step's result crossed to the event loop and the next job crossed back, 2–3 ms (median) of a
+30 ms decode step with the event loop competing for two busy cores. At most ``MAX_AHEAD`` results wait for the
+event loop; past that (an event loop that is gone or far behind) the engine thread stops until it catches up.
+
+The engine thread reads none of the event loop's state (``live``, the controller): all it takes is built on the
+event loop when staged. It is not a thread of its own that idles: when nothing is staged and no request is
+unfinished, the job loop returns and its thread waits on the executor's queue; staging work submits the loop
+again. One request's failure ends that request only (a step that raises fails the live requests, and the
+engine thread waits until the event loop has staged their aborts); a supervisor restarts the event loop's side
+if it ever ends, and a job loop that ends with an exception of its own ends the event loop's side too, so it is
+restarted with it.
 
 Every torch call of the replica runs on that one executor thread, the engine's construction included
 (``DMTDReplica`` builds it there). OpenMP gives each thread that opens a parallel region a pool of its own;
@@ -19,9 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from dmtd.engine.llm import LLMEngine
@@ -36,10 +52,41 @@ from dmtd_contract.records import Block, ReplicaRequest
 
 log = logging.getLogger("dmtd.replica")
 
+MAX_AHEAD = 2  # finished jobs that may wait for the event loop before the engine thread stops for it
+
 
 def engine_executor() -> ThreadPoolExecutor:
     """The one thread an engine runs on (its construction, admissions, steps and tokenisation)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmtd-engine")
+
+
+@dataclass
+class Inbox:
+    """What the event loop has staged for the engine thread's next job (read and written under the loop's lock;
+    everything in it is built on the event loop, so the engine thread reads no event-loop state)."""
+    aborts: list[str] = field(default_factory=list)
+    admissions: list[tuple[str, int, float, SamplingParams]] = field(default_factory=list)
+    requests: dict[str, ReplicaRequest] = field(default_factory=dict)  # of the admissions
+    taus: dict[str, tuple[int, bool]] | None = None  # the controller's latest decision for every live request
+    min_confidence: float = 0.0  # (its gate)
+
+    def take(self) -> Job | None:
+        """Everything staged, as one job, and empty again; None when nothing is staged."""
+        if not self.aborts and not self.admissions and self.taus is None:
+            return None
+        job = Job(self.aborts, self.admissions, self.requests, self.taus or {}, self.min_confidence)
+        self.aborts, self.admissions, self.requests, self.taus = [], [], {}, None
+        return job
+
+
+class LoopDied:
+    """Queued by an engine-thread job loop that ended with an exception outside a job."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+Result = tuple[Job, Done | Exception] | LoopDied  # a job and what it returned or raised
 
 
 class EngineLoop(BlockDelivery):
@@ -52,15 +99,18 @@ class EngineLoop(BlockDelivery):
         self.max_queued, self.replica_name = max_queued, replica_name
         self.telemetry = telemetry
         self.live: dict[str, Live] = {}
-        self._adds: list[str] = []
-        self._aborts: set[str] = set()
-        self._decision_due = True  # the controller's τ and gate go to every live request with the next job
-        self._unfinished = False  # the engine had unfinished requests after the last job
-        self._load = (0, 0)  # the engine's waiting and running requests after the last job
-        # the job on the engine's thread (its future, itself, when it was sent): kept here, not in the loop
-        # task, so that a restarted loop collects the step that was running when the old one ended
-        self._pending: tuple[asyncio.Future[Done], Job, float] | None = None
-        self._wake = asyncio.Event()
+        self._load = (0, 0)  # the engine's waiting and running requests after the last job consumed
+        # shared with the engine thread, under _lock: the staged work, the finished jobs the event loop has
+        # not taken yet (kept here, not in the loop task, so that a restarted loop collects them), whether
+        # the job loop is submitted, whether the engine had unfinished requests after its last job, whether
+        # it waits for the event loop to see a failed step, and where to signal a finished job
+        self._lock = threading.Lock()
+        self._inbox = Inbox()
+        self._results: deque[Result] = deque()
+        self._worker_on = False
+        self._unfinished = False
+        self._halted = False
+        self._sink: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.pusher: BlockPusher | None = None  # the replica's, for requests submitted with a sink
         self._outbox: dict[str, list[tuple[Live, Block]]] = {}  # a step's pushed blocks, by sink address
         self._executor = executor or engine_executor()
@@ -76,7 +126,7 @@ class EngineLoop(BlockDelivery):
     def stats(self) -> dict[str, Any]:
         d = self.controller.decision
         return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "pending": len(self._adds),
+                "pending": len(self._inbox.admissions),
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
                 "loop_restarts": self.restarts, **self.engine.cache_report()}
@@ -85,7 +135,7 @@ class EngineLoop(BlockDelivery):
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
         c, d, e = self.controller.cfg, self.controller.decision, self.engine
         cache = e.cache_report()
-        return ReplicaState(queue_depth=e.num_waiting + len(self._adds), batch_size=e.num_running,
+        return ReplicaState(queue_depth=e.num_waiting + len(self._inbox.admissions), batch_size=e.num_running,
                             kv_occupancy=cache["kv_utilisation"],
                             prefix_hit_ratio=float(cache.get("prefix_hit_ratio", 0.0)),
                             tau=d.tau, tau_min=c.tau_min,
@@ -134,8 +184,12 @@ class EngineLoop(BlockDelivery):
             tel.on_arrival(req.request_id, req.traceparent, attrs)
         self._ensure_task()
         try:
-            self._adds.append(req.request_id)  # tokenised on the engine's thread, right before it is added
-            self._wake.set()
+            admission = self._params(req.request_id)  # (a malformed one fails here: its error is queued)
+            if admission is not None:  # tokenised on the engine's thread, right before it is added
+                with self._lock:
+                    self._inbox.admissions.append(admission)
+                    self._inbox.requests[req.request_id] = req
+                    self._kick()
             interval_s, last_sent = max(0.0, stream_interval_ms) / 1e3, None
             while True:
                 item = await live.queue.get()
@@ -168,20 +222,22 @@ class EngineLoop(BlockDelivery):
         finally:
             if self.live.pop(req.request_id, None) is not None:
                 # cancelled or failed mid-stream: the engine frees the slot before its next step
-                self._aborts.add(req.request_id)
-                self._wake.set()
+                self._stage_abort(req.request_id)
             if tel is not None:
                 tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._supervise())
+            loop, ready = asyncio.get_running_loop(), asyncio.Event()
+            with self._lock:
+                self._sink = (loop, ready)  # finished jobs are signalled to this loop from now on
+            self._task = loop.create_task(self._supervise(ready))
 
-    async def _supervise(self) -> None:
+    async def _supervise(self, ready: asyncio.Event) -> None:
         """Run the loop; if it ever ends with an exception, count it and start it again."""
         while True:
             try:
-                await self._run()
+                await self._run(ready)
             except Exception:
                 self.restarts += 1
                 log.exception("engine loop of %s ended; restarting it (restart %d)", self.replica_name,
@@ -196,7 +252,7 @@ class EngineLoop(BlockDelivery):
         if live is not None:
             live.queue.put_nowait(error)
             live.last.set()
-        self._aborts.add(rid)
+        self._stage_abort(rid)
         if self.telemetry is not None:
             self.telemetry.on_finish(rid, reason, error=str(error))
 
@@ -234,25 +290,6 @@ class EngineLoop(BlockDelivery):
         else:
             self._fail(rid, internal_error(rid, "admission failed", error))
 
-    def _engine_work(self, job: Job) -> Done:
-        return run_job(self.engine, job, lambda req: encode_prompt(self.engine, req))
-
-    def _next_job(self) -> Job | None:
-        """The next job from what the event loop has gathered; None when there is nothing to do."""
-        aborts, self._aborts = list(self._aborts), set()
-        adds, self._adds = self._adds, []
-        admissions = [a for a in map(self._params, adds) if a is not None]
-        taus: dict[str, tuple[int, bool]] = {}
-        d = self.controller.decision
-        if self._decision_due:
-            self._decision_due = False
-            admitted = {a[0] for a in admissions}
-            taus = {rid: (max(lv.tau_lo, min(lv.tau_hi, d.tau)), lv.fixed_confidence)
-                    for rid, lv in self.live.items() if rid not in admitted}
-        if not aborts and not admissions and not taus and not self._unfinished:
-            return None
-        return Job(aborts, admissions, {a[0]: self.live[a[0]].req for a in admissions}, taus, d.min_confidence)
-
     def _admitted(self, rid: str, tau: int, conf: float, error: BaseException | None, t_wall: float,
                   t_perf: float, prompt_tokens: int) -> None:
         """Bookkeeping of one admission, back on the loop thread."""
@@ -261,7 +298,7 @@ class EngineLoop(BlockDelivery):
             self._reject(rid, error)
             return
         if live is None:  # cancelled while it was being added: the next job aborts it
-            self._aborts.add(rid)
+            self._stage_abort(rid)
             return
         r = live.req
         live.prompt_tokens = prompt_tokens
@@ -272,69 +309,141 @@ class EngineLoop(BlockDelivery):
                                     max(0.0, (live.t_admit_wall - r.arrival_s) * 1e3) if r.arrival_s else 0.0,
                                     max(0.0, (live.t_admit_wall - reached) * 1e3))
 
-    async def _run(self) -> None:
-        """Jobs back to back on the engine's thread. As soon as a step returns, the next job (with what has
-        arrived meanwhile) goes to the engine's thread, and this step's blocks are dispatched while it runs:
-        the engine does not wait for the event loop between steps (vLLM's async scheduling does the same).
-        The controller's τ and gate reach the requests one job later than they would otherwise."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if self._pending is None:
-                job = self._next_job()
-                if job is None:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                self._pending = (loop.run_in_executor(self._executor, self._engine_work, job), job,
-                                 time.perf_counter())
-            fut, job, t_step = self._pending
-            try:
-                done = await fut
-            except Exception as e:  # an engine bug must not hang every stream
-                self._pending, self._unfinished = None, False
-                for rid in list(self.live):
-                    self._fail(rid, internal_error(rid, "engine step failed", e))
-                continue
-            self._pending = None
-            now = time.perf_counter()
-            self._unfinished, self._load = done.unfinished, (done.num_waiting, done.num_running)
-            terms = {a[0]: a for a in job.admissions}
-            for rid, error, t_wall, prompt_tokens in done.added:
-                _, tau, conf, _ = terms[rid]
-                self._admitted(rid, tau, conf, error, t_wall, t_step, prompt_tokens)
-            if self._unfinished or self._adds:  # the next step runs while this one's blocks go out
-                nxt = self._next_job()
-                if nxt is not None:
-                    self._pending = (loop.run_in_executor(self._executor, self._engine_work, nxt), nxt,
-                                     time.perf_counter())
-            if done.outputs is None:
-                continue
-            self.num_steps += 1
-            step_ms = (now - t_step) * 1e3
-            for rid in {o.req_id for o in done.outputs}:
-                if (lv := self.live.get(rid)) is not None:
-                    lv.step_ms += step_ms
-                    lv.step_cpu_ms += done.cpu_s * 1e3
-            if self.telemetry is not None:
-                self._observe_step(done.outputs, now - t_step)
-            for o in done.outputs:
+    # -- the engine thread's side ---------------------------------------------------------------
+    def _kick(self) -> None:
+        """Submit the engine thread's job loop unless it runs or has nothing to do (called under the lock)."""
+        if self._worker_on or self._halted or len(self._results) >= MAX_AHEAD:
+            return
+        inbox = self._inbox
+        if self._unfinished or inbox.aborts or inbox.admissions or inbox.taus is not None:
+            self._executor.submit(self._job_loop)
+            self._worker_on = True
+
+    def _job_loop(self) -> None:
+        """On the engine's thread: jobs back to back, each with what was staged while the last one ran, as long
+        as the engine has unfinished requests or anything is staged (and fewer than ``MAX_AHEAD`` results wait
+        for the event loop); then it returns, and the next staging submits it again."""
+        try:
+            while True:
+                with self._lock:
+                    job = None
+                    if not self._halted and len(self._results) < MAX_AHEAD:
+                        job = self._inbox.take()
+                        if job is None and self._unfinished:
+                            job = Job([], [], {}, {}, 0.0)
+                    if job is None:
+                        self._worker_on = False
+                        return
+                result: Done | Exception
                 try:
-                    self._dispatch(o, now, done.seqs.get(o.req_id))
-                except Exception as e:
-                    self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
-            self._flush(now)
-            self._apply_controller()
+                    result = self._engine_work(job)
+                except Exception as e:  # an engine bug: the event loop fails the live requests
+                    result = e
+                with self._lock:
+                    if isinstance(result, Exception):
+                        self._unfinished, self._halted = False, True  # until the event loop has seen it
+                    else:
+                        self._unfinished = result.unfinished
+                    self._deliver((job, result))
+        except Exception as e:  # a bug of this loop: the event loop's side ends too, and its supervisor
+            with self._lock:    # restarts both
+                self._worker_on = False
+                self._deliver(LoopDied(e))
+
+    def _deliver(self, result: Result) -> None:
+        """Queue a finished job for the event loop and wake it if it may wait (called under the lock)."""
+        self._results.append(result)
+        if len(self._results) == 1 and self._sink is not None:
+            loop, ready = self._sink
+            with contextlib.suppress(RuntimeError):  # a closed loop: the next one takes the result
+                loop.call_soon_threadsafe(ready.set)
+
+    def _engine_work(self, job: Job) -> Done:
+        return run_job(self.engine, job, lambda req: encode_prompt(self.engine, req))
+
+    # -- the event loop's side ------------------------------------------------------------------
+    def _stage_abort(self, rid: str) -> None:
+        """Have the engine thread abort ``rid`` before its next step (an admission still staged is dropped)."""
+        with self._lock:
+            inbox = self._inbox
+            if rid in inbox.requests:
+                del inbox.requests[rid]
+                inbox.admissions = [a for a in inbox.admissions if a[0] != rid]
+            inbox.aborts.append(rid)
+            self._kick()
+
+    async def _run(self, ready: asyncio.Event) -> None:
+        """Consume the engine thread's finished jobs in order: the admissions' bookkeeping, the step's
+        telemetry, its blocks, the controller; the engine thread runs the next step meanwhile."""
+        with self._lock:
+            self._kick()  # a job loop that stopped for an event loop that was gone goes on
+        while True:
+            with self._lock:
+                result = self._results.popleft() if self._results else None
+                if result is not None:
+                    self._kick()  # a job loop that stopped for this event loop goes on
+            if result is None:
+                ready.clear()
+                with self._lock:
+                    if self._results:  # (queued after the last look, before the clear)
+                        continue
+                await ready.wait()
+                continue
+            if isinstance(result, LoopDied):
+                raise RuntimeError("the engine thread's job loop ended") from result.error
+            job, done = result
+            if isinstance(done, Exception):  # an engine bug must not hang every stream
+                for rid in list(self.live):
+                    self._fail(rid, internal_error(rid, "engine step failed", done))
+                with self._lock:
+                    self._halted = False  # the live requests' aborts are staged: the next job runs them
+                    self._kick()
+                continue
+            self._consume(job, done)
+
+    def _consume(self, job: Job, done: Done) -> None:
+        """What the event loop does with one finished job (the step's time: its job's start to its end, on the
+        engine thread)."""
+        self._load = (done.num_waiting, done.num_running)
+        terms = {a[0]: a for a in job.admissions}
+        for rid, error, t_wall, prompt_tokens in done.added:
+            _, tau, conf, _ = terms[rid]
+            self._admitted(rid, tau, conf, error, t_wall, done.t_start, prompt_tokens)
+        if done.outputs is None:
+            return
+        self.num_steps += 1
+        now = done.t_end
+        step_ms = (now - done.t_start) * 1e3
+        for rid in {o.req_id for o in done.outputs}:
+            if (lv := self.live.get(rid)) is not None:
+                lv.step_ms += step_ms
+                lv.step_cpu_ms += done.cpu_s * 1e3
+        if self.telemetry is not None:
+            self._observe_step(done.outputs, now - done.t_start)
+        for o in done.outputs:
+            try:
+                self._dispatch(o, now, done.seqs.get(o.req_id))
+            except Exception as e:
+                self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
+        self._flush(now)
+        self._apply_controller()
 
     def _apply_controller(self) -> None:
-        self.controller.observe_load(self._load[0] + len(self._adds), self._load[1])
+        self.controller.observe_load(self._load[0] + len(self._inbox.admissions), self._load[1])
         self.apply_decision()
 
     def apply_decision(self) -> None:
-        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate: with
-        the next engine-thread job (the engine is never touched from the event loop while a step runs)."""
-        self._decision_due = True
-        if self.live:
-            self._wake.set()
+        """Give every live request the controller's τ (within its bounds) and, unless pinned, its gate: staged
+        for the engine thread's next job (the engine is never touched from the event loop). It replaces a
+        decision still staged; it is applied after that job's admissions, so a request admitted with it gets
+        it too."""
+        if not self.live:
+            return
+        d = self.controller.decision
+        taus = {rid: (max(lv.tau_lo, min(lv.tau_hi, d.tau)), lv.fixed_confidence) for rid, lv in self.live.items()}
+        with self._lock:
+            self._inbox.taus, self._inbox.min_confidence = taus, d.min_confidence
+            self._kick()
 
     def reconfigure(self, cfg: ControllerConfig) -> None:
         self.controller.reconfigure(cfg)
