@@ -82,6 +82,11 @@ class EngineSettings(_Settings):
     max_queued: int = Field(default=64, ge=0, le=100000,
                             description="Requests a replica holds waiting beyond those it runs, before it refuses.")
     itl_slo_ms: float = Field(default=50.0, gt=0, description="Per-token ITL the replica's τ controller aims at.")
+    prefill_pace: float = Field(
+        default=1.0, ge=0, le=100, allow_inf_nan=False,
+        description="Prefill work a step while other sequences decode, in decode steps' time (riding on the exact "
+        "profile's check passes): running streams' gaps stay near 1 + this; higher gives new prompts their first "
+        "token sooner. 0: whole chunks of 128 positions between decode steps.")
     dtype: Dtype | None = Field(
         default=None, description="Weights and activations (default: the variant's recommendation, else auto: "
         "bfloat16 on a CPU with AVX-512 or AVX2).")

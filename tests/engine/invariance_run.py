@@ -46,13 +46,16 @@ class Recorder:
                 keep(s, list(s.token_ids), out[i])
             return out
 
-        def on_verify(seqs: list[Any]) -> torch.Tensor:
+        def on_verify(seqs: list[Any], prompts: list[Any] | None = None) -> torch.Tensor:
             inputs = [(list(s.token_ids), list(s.drafts)) for s in seqs]
-            out = verify(seqs)
+            out = verify(seqs, prompts)
             R = out.shape[1]
             for i, (s, (toks, drafts)) in enumerate(zip(seqs, inputs)):
                 for j in range(len(drafts) + 1):
                     keep(s, toks + drafts[:j], out[i, R - len(drafts) - 1 + j])
+            done = [s for s in prompts or [] if s.prefill_end == s.num_tokens]  # prompts riding on the checks
+            for k, s in enumerate(done):
+                keep(s, list(s.token_ids), r.prompt_logits[k])
             return out
 
         r.prefill, r.decode, r.verify = on_prefill, on_decode, on_verify  # type: ignore[method-assign]

@@ -307,6 +307,37 @@ def test_attend_is_softmax_attention_and_a_row_gets_the_same_bits_alone_beside_o
         torch.ops.dmtd.attend(q[:1], kc.double(), vc.double(), whole, torch.tensor([0]), torch.tensor([3]), 1.0)
 
 
+@pytest.mark.parametrize(("nh", "nkv", "hd"), [(9, 3, 64), (8, 1, 32), (4, 1, 128), (6, 6, 64), (8, 2, 64)])
+def test_attend_groups_of_a_sequences_rows_and_heads_give_each_row_its_bits_alone(nh, nkv, hd):
+    """Rows that are consecutive positions of one sequence (a prompt's, a check's) and the query heads sharing a KV
+    head run as groups that load each key once (kernels/attend.h, group512, up to six queries; eight heads a KV
+    head are split): every row has the bits it has alone, in any GQA shape, at contexts of a few pages to ~1,000
+    keys, and the value is softmax attention."""
+    torch.manual_seed(5)
+    maxlen = 1024
+    kc, vc = torch.randn(2, nkv, maxlen, hd), torch.randn(2, nkv, maxlen, hd)
+    gen = torch.Generator().manual_seed(11)
+    kp, table = _paged(kc, 16, gen)
+    vp = torch.empty_like(kp)
+    vp[table.flatten()] = vc.view(2, nkv, maxlen // 16, 16, hd).transpose(1, 2).reshape(-1, nkv, 16, hd)
+    # a prompt's 7 positions of sequence 1, a check's 3 of sequence 0, one row of 1, then 1 again
+    slots = torch.tensor([1] * 7 + [0] * 3 + [1, 0, 1])
+    lens = torch.tensor([900 + i for i in range(7)] + [40, 41, 42] + [1, 1000, 17])
+    q = torch.randn(len(slots), nh, hd)
+    together = torch.ops.dmtd.attend(q, kp, vp, table, slots, lens, hd ** -0.5)
+    torch.testing.assert_close(together.double(), _attention_reference(q, kc, vc, slots, lens), rtol=1e-5, atol=1e-5)
+    for i in range(len(slots)):
+        alone = torch.ops.dmtd.attend(q[i: i + 1], kp, vp, table, slots[i: i + 1], lens[i: i + 1], hd ** -0.5)
+        assert torch.equal(alone[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):  # the units split over other numbers of threads
+            torch.set_num_threads(n)
+            assert torch.equal(torch.ops.dmtd.attend(q, kp, vp, table, slots, lens, hd ** -0.5), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
     """The decode loop's attention through dmtd::attend gives the same logits as through torch's ops (float32
     noise apart), one row or a chunk of one sequence (a verified check), and each engine is exact to its own τ = 1."""

@@ -98,3 +98,16 @@ def test_what_the_operator_renders_is_what_build_app_accepts() -> None:
     assert (cfg.namespace, cfg.variants[0].loads, cfg.grpc_host, cfg.tls_key_file) == (
         "ns", "smollm2-135m-dmtd", "0.0.0.0", f"{render.TLS_DIR}/tls.key")
     assert cfg.engine(cfg.variants[0]) == EngineSettings(max_num_seqs=8, phrase_drafts=False)
+
+
+def test_the_replicas_engine_takes_the_prefill_pace_and_a_bad_one_names_the_field() -> None:
+    """`prefill_pace` (`dmtd serve --prefill-pace`, the CR's `spec.engine.prefillPace`) reaches the replica's engine;
+    a negative or non-finite one is refused naming the field."""
+    from dmtd.serve.engine_builder import EngineBuilder
+
+    engine, _ = EngineBuilder(variant="smollm2-135m-dmtd", torch_threads=1, settings=EngineSettings(
+        max_num_seqs=2, max_model_len=256, prefill_pace=0.5))()
+    assert engine.cfg.prefill_pace == 0.5 and engine.pacer.pace == 0.5
+    for bad in (-1, float("nan"), float("inf"), "fast"):
+        with pytest.raises(ServeConfigError, match="prefill_pace"):
+            serve_config({"prefill_pace": bad}, environ={})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,9 +189,14 @@ class EngineConfig:
     dtype: str = "float32"
     quant: str = "none"  # weight-only low-bit projections: "none", "int8" or "int4" (dmtd.engine.lowbit)
     max_prefill_tokens: int = 4096  # prompt positions a prefill step computes while no sequence decodes
-    # prompts are prefilled in chunks of this many positions (boundaries at its multiples from position 0); while
-    # sequences decode, a step prefills at most this many, and prefix caching reuses whole chunks
+    # prompts are prefilled in chunks of this many positions (boundaries at its multiples from position 0; where
+    # prompts run as rows, a chunk is only what prefix caching reuses whole); while sequences decode, a step
+    # prefills at most this many — or, as rows, what fits prefill_pace
     prefill_chunk: int = 128
+    # while sequences decode, a prefill step (prompts as rows) takes about this many times a decode step's time
+    # (dmtd.engine.prefill_pacer; a running stream's gaps stay near 1 + prefill_pace of its steady ones); 0: a
+    # whole chunk of prefill_chunk positions each time
+    prefill_pace: float = 1.0
     prefix_caching: bool = True  # a prompt's leading chunks found in the cache are reused (dmtd.engine.prefix_cache)
     # the KV cache is one pool of pages of page_size positions (dmtd.engine.kv_pages; with prefix caching, a divisor
     # of prefill_chunk: gcd(page_size, prefill_chunk)); a sequence holds the pages of the positions it has written.
@@ -221,6 +227,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if not (self.prefill_pace >= 0 and math.isfinite(self.prefill_pace)):
+            raise ConfigError(f"prefill_pace must be a finite number >= 0, got {self.prefill_pace}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:

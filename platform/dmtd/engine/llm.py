@@ -17,6 +17,7 @@ from dmtd.engine.logits_process import LogitsShaper
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
 from dmtd.engine.phrase_table import PhraseTable
+from dmtd.engine.prefill_pacer import PrefillPacer
 from dmtd.engine.requests import RequestState, SequenceView
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -46,6 +47,7 @@ class LLMEngine:
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
                                    self.cfg.max_prefill_tokens, self.cfg.align_phases, self.cfg.prefill_chunk,
                                    self.cfg.prefix_caching, self.runner.cache.pages)
+        self.pacer = PrefillPacer(self.cfg.prefill_pace)  # how much prompt a step takes while others decode
         self.default_tau = default_tau or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -167,12 +169,28 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule a batch, run its passes, postprocess their tokens into per-request outputs."""
         t_step = time.perf_counter()
-        out = self.scheduler.schedule()
-        for s in self.scheduler.take_preempted():  # their drafts went with their pages
+        sched = self.scheduler
+        sched.free_split = self.runner.rows_prefill()
+        sched.prefill_budget = self.pacer.budget() if sched.free_split else None
+        sched.ride_budget = self.pacer.ride_budget()
+        out = sched.schedule()
+        for s in sched.take_preempted():  # their drafts went with their pages
             self.requests[s.req_id].draft_q = []
         if not out.seqs:
             return []
-        return self._prefill(out) if out.is_prefill else self._decode(out, t_step)
+        if out.is_prefill:
+            keys, paced = sched.last_prefill_keys, sched.last_prefill_paced
+            results = self._prefill(out)
+            self.pacer.observe_prefill(keys, 1e3 * (time.perf_counter() - t_step), paced)
+            return results
+        keys = sched.last_prefill_keys if out.ride else 0.0
+        checked = any(s.params.exact and s.draft_done for s in out.decode)
+        results = self._decode(out, t_step)
+        ms = 1e3 * (time.perf_counter() - t_step)
+        self.pacer.observe_decode(ms, bool(sched.prefilling or sched.waiting))
+        if checked:
+            self.pacer.observe_check(ms, keys)
+        return results
 
     def _prefill(self, out: SchedulerOutput) -> list[StepOutput]:
         """A prefill step: each prompt's next chunk; the prompts it finishes sample their first token."""
@@ -181,6 +199,11 @@ class LLMEngine:
             self.scheduler.reuse(s)
             rows.append(self.timed("prefill", self.runner.prefill, [s])[0])
             done += self.scheduler.prefilled([s])
+        return self._first_tokens(done, rows)
+
+    def _first_tokens(self, done: list[Sequence], rows: list[torch.Tensor]) -> list[StepOutput]:
+        """The prompts a step completed (``done``, their last positions' logits in ``rows``) sample their first
+        token (and their forks theirs)."""
         if not done:
             return []
         out, logits = self.forks.fork(SchedulerOutput(prefill=done), torch.cat(rows), self.scheduler,
@@ -207,11 +230,24 @@ class LLMEngine:
                                 False) if plain else []
         if drafting:
             results += self.cycles.draft(drafting, t_step if not (plain or checking) else None)
+        riders: list[Sequence] = []  # prompt chunks riding on the check pass (the scheduler's out.ride)
+        for s in out.ride:
+            self.scheduler.reuse(s)
+            if s.num_prefilled < s.prefill_end:
+                riders.append(s)
+        prompt_logits = None
         if checking:
-            results += self.cycles.check(checking, t_step if not (plain or drafting) else None)
+            results += self.cycles.check(checking, t_step if not (plain or drafting) else None, riders)
+            prompt_logits = self.runner.prompt_logits if riders else None
+        elif riders:  # the scheduler rides prompts on a check pass only; should none run, they get their own
+            prompt_logits = self.timed("prefill", self.runner.prefill, riders)[0]
         self.scheduler.num_decode_steps += 1
         if gate is not None:
             gate.observe(len(out.decode), len(results), time.perf_counter() - t_step)
+        done = self.scheduler.prefilled(out.ride) if out.ride else []
+        if done:
+            assert prompt_logits is not None and len(prompt_logits) == len(done)
+            results += self._first_tokens(done, [prompt_logits])
         return results
 
     def timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor],

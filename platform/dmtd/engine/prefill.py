@@ -1,6 +1,7 @@
-"""How prompts are prefilled: positions below ``ROW_PREFILL_END`` as rows of one ``dmtd::rows_layers`` call per
-layer group, several prompts together, later ones in chunks through SDPA at boundaries fixed from position 0. A
-part of :class:`dmtd.engine.runner.ModelRunner`, kept apart so the runner reads as its pass kinds."""
+"""How prompts are prefilled: as rows of one ``dmtd::rows_layers`` call per layer group, several prompts together, where
+the rows op runs (packed weights, the kernels built, float32 KV: a CPU engine); elsewhere in chunks through SDPA at
+boundaries fixed from position 0. A part of :class:`dmtd.engine.runner.ModelRunner`, kept apart so the runner reads
+as its pass kinds."""
 
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ if TYPE_CHECKING:
     from dmtd.engine.kv_cache import KVCache
     from dmtd.engine.model import LayerWeights
     from dmtd.engine.verifier import Verifier
-
-# prompt positions below this run as rows of one dmtd::rows_layers call per step, several prompts together (each
-# row alone: the bits of a position do not depend on the rows beside it); later ones in chunks through SDPA, whose
-# matrix products read long contexts faster than one row's attention at a time
-ROW_PREFILL_END = 256
 
 
 class Prefill:
@@ -45,45 +41,40 @@ class Prefill:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Prompt positions ``num_prefilled .. prefill_end`` of each sequence through every layer, in chunks whose
-        boundaries sit at multiples of ``prefill_chunk`` from position 0; logits of the last prompt position of
-        each sequence whose prompt this completes [n, V].
+        """Positions ``num_prefilled .. prefill_end`` of each sequence through every layer; logits of the last prompt
+        position of each sequence whose prompt this completes [n, V].
 
-        One chunk of one prompt at a time: a batch pads its prompts to the longest and masks attention, and the
-        padded length changes the order in which a position's attention is summed. A chunk's rows, attention
-        reads and arithmetic depend on its tokens and those before it alone, so a prompt's KV and logits have
-        the same bits whatever arrived with it, however its prefill was split over steps, and whether its first
-        chunks were computed or taken from the prefix cache (the exact profile compares them with the base
-        model's own).
+        As rows (:meth:`rows_prefill`): every position is computed alone — its arithmetic and the keys it reads
+        depend on its tokens and those before it, never on the rows beside it — so a prompt's KV and logits have
+        the same bits whatever arrived with it, wherever its prefill was split over steps (the scheduler splits
+        it anywhere, :mod:`dmtd.engine.prefill_pacer`), and whether its first chunks were computed or taken from
+        the prefix cache (the exact profile compares them with the base model's own). Otherwise one chunk of one
+        prompt at a time, boundaries at multiples of ``prefill_chunk`` from position 0: a batch would pad its
+        prompts to the longest and mask attention, and SDPA's sums over a chunk depend on the chunk's extent.
         """
-        C = self.cfg.prefill_chunk
-        last: dict[int, torch.Tensor] = {}  # sequence index → its last prompt position's output [1, H]
-        rows = self._row_chunks(seqs)
-        if rows:
-            last.update(self._prefill_rows(seqs, rows))
-        for i, s in enumerate(seqs):
-            start = max(s.num_prefilled, rows.get(i, (0, s.num_prefilled))[1])
-            stop = min(s.prefill_end, s.prompt_len)
-            while start < stop:
-                end = min((start // C + 1) * C, stop)
-                last[i] = self._prefill_chunk(s, start, end)[:, -1]
-                start = end
-            if start < s.prefill_end:
-                self._prefill_generated(s, start, s.prefill_end)
+        last: dict[int, torch.Tensor] = {}  # sequence index → its last computed position's output [1, H]
+        if self._rows_ok(seqs):
+            todo = {i: (s.num_prefilled, s.prefill_end) for i, s in enumerate(seqs) if s.num_prefilled < s.prefill_end}
+            if todo:
+                last = self._prefill_rows(seqs, todo)
+        else:
+            C = self.cfg.prefill_chunk
+            for i, s in enumerate(seqs):
+                start, stop = s.num_prefilled, min(s.prefill_end, s.prompt_len)
+                while start < stop:
+                    end = min((start // C + 1) * C, stop)
+                    last[i] = self._prefill_chunk(s, start, end)[:, -1]
+                    start = end
+                for p in range(start, s.prefill_end):  # a preempted sequence's own tokens: one a pass, as decoded
+                    self._prefill_chunk(s, p, p + 1)
         done = [self.logits(last[i]) for i, s in enumerate(seqs) if s.prefill_end == s.num_tokens]
         if not done:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return torch.cat(done)
 
-    def _prefill_generated(self, s: Sequence, start: int, end: int) -> None:
-        """Positions ``start .. end - 1`` of a preempted sequence's own tokens, each computed as the decode step that
-        first fed it computed it: as rows where the rows op runs (a row's bits do not depend on the pass), else one
-        position a pass; tails routed as tails (:attr:`Sequence.tail_positions`)."""
-        if self._rows_ok([s]):
-            self._prefill_rows([s], {0: (start, end)})
-            return
-        for p in range(start, end):
-            self._prefill_chunk(s, p, p + 1)
+    def rows_prefill(self) -> bool:
+        """Whether prompts run as rows here (any split of a prompt over steps then gives the same bits)."""
+        return bool(self.model.fused_layers) and self._rows_prefill_ok()
 
     def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor:
         """Which of ``s``'s positions ``pos`` route the deep state into the decoding group: prompt positions by the
@@ -94,20 +85,6 @@ class Prefill:
             gen = pos >= s.prompt_len
             head = torch.where(gen, ~torch.isin(pos, tails), head)
         return head
-
-    def _row_chunks(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
-        """Each sequence's positions this step that run as rows of one ``dmtd::rows_layers`` call with the others'
-        (index → start, end): those below ``ROW_PREFILL_END`` where layer groups run in one call (packed weights,
-        the kernels built). Which positions do is a function of the positions alone, never of what shares the
-        step: a row is computed alone, so a prompt's bits do not depend on the prompts batched with it."""
-        if not self._rows_ok(seqs):
-            return {}
-        out = {}
-        for i, s in enumerate(seqs):
-            end = min(s.prefill_end, ROW_PREFILL_END)
-            if s.num_prefilled < end:
-                out[i] = (s.num_prefilled, end)
-        return out
 
     def _rows_ok(self, seqs: list[Sequence]) -> bool:
         """Whether these sequences' positions can run as rows of ``dmtd::rows_layers`` (packed weights, the kernels

@@ -72,6 +72,7 @@ class ModelRunner(Prefill):
         self.draft_ids: torch.Tensor | None = None  # restricted tail vocabulary (None = the full one)
         self._draft_id_set: set[int] | None = None
         self.pass_draft_ids: torch.Tensor | None = None  # the last draft pass's: draft_ids + its rows' context ids
+        self.prompt_logits = torch.empty(0)  # the last check pass's riding prompts' logits (verify)
         # the context ids last added (sorted), draft_ids + them, and their head columns [H, E]: rebuilt only when
         # the ids change (a request's context gains a new word every few cycles, not every pass)
         self._context_head: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
@@ -285,13 +286,21 @@ class ModelRunner(Prefill):
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence]) -> torch.Tensor:
+    def verify(self, seqs: list[Sequence], prompts: list[Sequence] | None = None) -> torch.Tensor:
         """Heads of verified cycles: the verifier's logits over each row's last token and its drafts.
 
         Returns [n, R, V], right-aligned: row i's ``len(drafts) + 1`` predictions are its last columns.
         Every layer group writes KV at those positions (thinking and encoding shared, decoding into the
         verifier's own), and the tail path's head-routed input is stashed for the next draft step.
+
+        ``prompts``: sequences whose positions ``num_prefilled .. prefill_end`` ride along as rows of the same
+        calls (prompts run as rows here: :meth:`rows_prefill`), so a prompt's prefill shares the check's weight
+        reads instead of taking a step of its own; what :meth:`prefill` would return for them is left in
+        ``prompt_logits``. Every row is computed alone: each has the bits it has in a pass of its own.
         """
+        prompts = [s for s in prompts or [] if s.num_prefilled < s.prefill_end]
+        if prompts:
+            return self._verify_with_prompts(seqs, prompts)
         m, d, dev = self.model, self.dmtd, self.device
         assert self.verify_kv is not None and self.cache.stash is not None
         counts = [len(s.drafts) + 1 for s in seqs]
@@ -312,6 +321,66 @@ class ModelRunner(Prefill):
         xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
         self.cache.stash_write(ctx.write_kv_rows, ctx.write_pos, xt if ctx.write_rows is None else xt[ctx.write_rows])
         return self.logits(h)
+
+    def _verify_with_prompts(self, seqs: list[Sequence], prompts: list[Sequence]) -> torch.Tensor:
+        """:meth:`verify` with prompt rows in the same ``dmtd::rows_layers`` calls: the checks' rows first, then each
+        prompt's positions; the verifying path over the checks' rows and the exact prompts', the variant's decoding
+        group over the prompts' (as :meth:`_prefill_rows` runs them)."""
+        m, d, dev = self.model, self.dmtd, self.device
+        assert self.verify_kv is not None and self.cache.stash is not None
+        self.cache.sync()
+        counts = [len(s.drafts) + 1 for s in seqs]
+        ids = [t for s in seqs for t in (s.token_ids[-1], *s.drafts)]
+        pos_l = [p for s, c in zip(seqs, counts) for p in range(s.draft_position - c + 1, s.draft_position + 1)]
+        kv_l = [s.kv_row for s, c in zip(seqs, counts) for _ in range(c)]
+        nc = len(ids)
+        spans = [(s.num_prefilled, s.prefill_end) for s in prompts]
+        for s, (a, b) in zip(prompts, spans):
+            ids += s.token_ids[a:b]
+            pos_l += range(a, b)
+            kv_l += [s.kv_row] * (b - a)
+        pos = torch.tensor(pos_l, device=dev)
+        kv_rows = torch.tensor(kv_l, device=dev)
+        none = torch.empty(0, device=dev)
+
+        def rows_ctx(keep: torch.Tensor | slice) -> StepContext:
+            return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows[keep],
+                               pos[keep], None)
+
+        ctx = rows_ctx(slice(None))
+        x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
+        h_enc = m.run_rows(x, 0, d.thinking_start, self.kv, ctx, self.weights)
+        h_think = m.run_rows(h_enc, d.thinking_start, d.decoding_start, self.kv, ctx, self.weights)
+        # the verifying path: the checks' rows and the exact prompts' (their outputs are the prompts' own)
+        exact = torch.tensor([True] * nc + [s.params.exact for s, (a, b) in zip(prompts, spans) for _ in range(a, b)],
+                             device=dev)
+        ones = torch.ones((1, len(ids)), dtype=torch.bool, device=dev)
+        xv = route_decoding_input(h_enc[:, exact], h_think[:, exact], ones[:, exact], self.verifier.head_input)
+        hv = m.run_rows(xv, d.decoding_start, d.num_layers, self.verify_kv, rows_ctx(exact), self.verify_weights)
+        # the variant's decoding group over the prompts' rows (the tails read their KV), heads by the phase rules
+        prompt = slice(nc, None)
+        head = torch.cat([self._heads(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
+        hp = m.run_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
+                        d.decoding_start, d.num_layers, self.kv, rows_ctx(prompt), self.weights)
+        out = h_enc.new_empty(h_enc.shape)
+        out[:, prompt] = hp
+        out[:, exact] = hv
+        # the checks: the tail path's head-routed input stashed, logits right-aligned [n, R, V]
+        xt = route_decoding_input(h_enc[0, :nc], h_think[0, :nc], ones[0, :nc], d.head_input)
+        self.cache.stash_write(kv_rows[:nc], pos[:nc], xt)
+        flat = self.logits(out[0, :nc])
+        R = max(counts)
+        logits = flat.new_zeros(len(seqs), R, flat.shape[-1])
+        ends = torch.cumsum(torch.tensor(counts), 0).tolist()
+        for i, (c, e) in enumerate(zip(counts, ends)):
+            logits[i, R - c:] = flat[e - c: e]
+        lasts, e = [], nc
+        for s, (a, b) in zip(prompts, spans):
+            e += b - a
+            if b == s.num_tokens:
+                lasts.append(out[0, e - 1: e])
+        self.prompt_logits = self.logits(torch.cat(lasts)) if lasts else flat.new_empty(0, flat.shape[-1])
+        return logits
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

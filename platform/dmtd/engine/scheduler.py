@@ -10,6 +10,7 @@ from dmtd.engine.config import DMTDConfig
 from dmtd.engine.draft_sources import TAILS
 from dmtd.engine.kv_manager import CapacityError, KVCacheManager
 from dmtd.engine.kv_pages import KVPages
+from dmtd.engine.prefill_pacer import end_within, prompt_cost
 from dmtd.engine.prefix_cache import PrefixCache
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
@@ -23,6 +24,8 @@ class SchedulerOutput:
 
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    # prompt chunks that ride along with a decode step's check pass (their positions num_prefilled .. prefill_end)
+    ride: list[Sequence] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
@@ -58,9 +61,11 @@ class Scheduler:
     preempted — its pages freed, itself queued first, to be prefilled again over its prompt and its tokens so far
     (what it computes then is what it computed before: the same positions' KV, bit for bit).
 
-    A prompt is prefilled in chunks of ``prefill_chunk`` positions, their boundaries at multiples of it from
-    position 0; while other sequences decode, a step prefills at most one chunk's worth and the next step is
-    theirs, so a long prompt does not stall running streams for its whole prefill. With a prefix cache, an admitted
+    While other sequences decode, prefill steps and their decode steps alternate, so a long prompt does not stall
+    running streams for its whole prefill: where the prompt's split does not change its bits (``free_split``:
+    prompts run as rows), a prefill step takes the positions whose work fits ``prefill_budget`` (keys read,
+    :mod:`dmtd.engine.prefill_pacer`), else one chunk of ``prefill_chunk`` positions, boundaries at its multiples
+    from position 0. With a prefix cache, an admitted
     prompt's leading whole chunks published before are read from their pages, shared, instead of computed
     (:mod:`dmtd.engine.prefix_cache`).
     """
@@ -87,6 +92,14 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # admitted, their prompts partly prefilled
         self.running: list[Sequence] = []
         self._last_prefill = False
+        # set by the engine before each step: whether a prompt may be split anywhere, and the keys a prefill step
+        # may read while sequences decode (None: one chunk)
+        self.free_split = False
+        self.prefill_budget: float | None = None  # negative: no prefill step now (the pacer's credit is short)
+        self.ride_budget: float | None = None  # keys prompt rows may add to a check pass
+        self.last_prefill_keys = 0.0  # the work of the last prefill step (keys read), for the pacer
+        self.last_prefill_paced = False
+        self.num_rides = 0  # decode steps whose check pass carried prompt rows
 
     @property
     def pages(self) -> KVPages:
@@ -125,7 +138,16 @@ class Scheduler:
         out = SchedulerOutput()
         if not self.running:
             self.num_decode_steps = 0  # idle: restart the shared clock, so a lone sequence keeps full cycles
-        if not (self.running and self._last_prefill and self.prefilling):
+        self.last_prefill_keys = 0.0
+        paced = bool(self.free_split and self.running and self.prefill_budget is not None)
+        # with verified cycles running, prompts ride along with a check pass (one comes every cycle) instead of
+        # taking steps of their own
+        exact = paced and any(s.params.exact for s in self.running)
+        carrier = exact and any(s.params.exact and s.draft_done for s in self.running)
+        self.last_prefill_paced = paced and not exact
+        keys = (self.ride_budget if carrier else self.prefill_budget) or 0.0
+        if (not (self.running and self._last_prefill and self.prefilling) and not (paced and keys < 0)
+                and not (exact and not carrier)):
             C = self.prefill_chunk
             budget = C if self.running else self.max_prefill_tokens
             queue = list(self.prefilling)
@@ -140,16 +162,32 @@ class Scheduler:
                     break
                 target = seq.resume_len or seq.num_tokens
                 left = target - seq.num_prefilled
-                end = target if left <= budget else seq.num_prefilled + budget // C * C
+                if paced:  # what fits the step's budget, anywhere (at least one position)
+                    if out.prefill and prompt_cost(seq.num_prefilled, seq.num_prefilled + 1) > keys:
+                        break
+                    end = end_within(seq.num_prefilled, target, keys)
+                    keys -= prompt_cost(seq.num_prefilled, end)
+                    budget = 1 if keys > 0 else 0
+                elif left <= budget or self.free_split:
+                    end = seq.num_prefilled + min(left, budget)
+                else:
+                    end = seq.num_prefilled + budget // C * C
                 if end == seq.num_prefilled:
                     break
                 self.kv.plan_prefill(seq, end)
-                budget -= end - seq.num_prefilled
+                self.last_prefill_keys += prompt_cost(seq.num_prefilled, end)
+                if not paced:
+                    budget -= end - seq.num_prefilled
                 out.prefill.append(seq)
+        if carrier and out.prefill:
+            out.ride, out.prefill = out.prefill, []
+            self.num_rides += 1
         self._last_prefill = bool(out.prefill)
         if not out.prefill:
             self._reserve_decode()
             out.decode = list(self.running)
+            # a rider preempted for the decode's pages is queued again, its chunk not computed
+            out.ride = [s for s in out.ride if s in self.prefilling]
         return out
 
     def _reserve_decode(self) -> None:

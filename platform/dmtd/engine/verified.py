@@ -91,10 +91,12 @@ class VerifiedCycles:
                                           len(e.scheduler.running))
         return results
 
-    def check(self, seqs: list[Sequence], since: float | None = None) -> list[StepOutput]:
-        """A head of verified cycles: check every row's drafts and emit its block (``since``: as for draft)."""
+    def check(self, seqs: list[Sequence], since: float | None = None,
+              prompts: list[Sequence] | None = None) -> list[StepOutput]:
+        """A head of verified cycles: check every row's drafts and emit its block (``since``: as for draft).
+        ``prompts``: prompt chunks that ride along in the same pass (:meth:`dmtd.engine.runner.ModelRunner.verify`)."""
         e = self.engine
-        logits, dt = e.timed("verify", e.runner.verify, seqs)
+        logits, dt = e.timed("verify", lambda s: e.runner.verify(s, prompts), seqs)
         R = logits.shape[1]
         results: list[StepOutput] = []
         for i, s in enumerate(seqs):

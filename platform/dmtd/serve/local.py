@@ -59,6 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="positions of a replica's KV pool, shared by its sequences in pages of 16 "
                    "(default %(default)s: what 16 sequences of 2,048 held)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="size the KV pool by memory instead")
+    p.add_argument("--prefill-pace", type=float, default=None,
+                   help="a prompt's prefill time a step while others decode, in decode steps (default 1; 0: whole "
+                        "chunks between decode steps)")
     p.add_argument("--max-queued", type=int, default=engine_default("max_queued"),
                    help="requests a replica holds waiting beyond --max-num-seqs before it refuses "
                    "(default %(default)s)")
@@ -212,6 +215,7 @@ def serve_args(args: argparse.Namespace, variant: str) -> ServeConfig:
         "max_model_len": getattr(args, "max_model_len", None),
         "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
         "kv_cache_gib": getattr(args, "kv_cache_gib", None), "max_queued": getattr(args, "max_queued", None),
+        "prefill_pace": getattr(args, "prefill_pace", None),
         "routing": getattr(args, "routing", None), "itl_slo_ms": args.itl_slo_ms, "metrics_port": metrics_port,
         "replica_metrics_port": metrics_port + 1,
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),

@@ -1,9 +1,9 @@
 """A DMTD replica: one engine, an asyncio loop driving continuous batching, one block per cycle per request.
 
 ``DMTDReplica`` is a plain class (the app builder wraps it with ``serve.deployment``), so tests construct it
-directly with a small engine. The engine is not thread-safe: only the loop task (``engine_loop.EngineLoop``)
-touches it, between steps; each step runs in a one-thread executor so the event loop keeps serving while the
-model computes.
+directly with a small engine. The engine is not thread-safe: only its one executor thread touches it, taking its
+jobs itself back to back (``engine_loop.EngineLoop``), while the event loop stages requests for it and delivers
+the blocks of each finished step.
 """
 
 from __future__ import annotations

@@ -70,6 +70,36 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// std::max over x[0 .. n − 1] from −inf, 16 lanes at a time: a maximum does not depend on the order it is taken in,
+// and a NaN is skipped as std::max(m, NaN) skips it (the vector max returns its second operand, the running max).
+inline float max512(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + t), m);
+  float mx = _mm512_reduce_max_ps(m);
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
+// s[0 .. n − 1] ← exp(s − max s), 16 lanes at a time, their sum taken lane-wise in order; returns 1 / the sum.
+inline float softmax512(float* s, int64_t n) {
+  const __m512 mv = _mm512_set1_ps(max512(s, n));
+  __m512 sv = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+    _mm512_storeu_ps(s + t, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  if (t < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mv));
+    _mm512_mask_storeu_ps(s + t, m, e);
+    sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(m, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(sv);
+}
 #endif
 
 // One KV head's keys and values in pages: key t sits at k + pages[t / P] * ps + (t % P) * hd (v likewise).
@@ -102,23 +132,7 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
           sc[t] = _mm512_reduce_add_ps(a) * scale;
         }
       }
-      float mx = -INFINITY;
-      int64_t t = 0;
-      for (t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
-      const __m512 mv = _mm512_set1_ps(mx);
-      __m512 sv = _mm512_setzero_ps();
-      for (t = 0; t + 16 <= n; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mv));
-        _mm512_storeu_ps(sc + t, e);
-        sv = _mm512_add_ps(sv, e);
-      }
-      if (t < n) {
-        const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), mv));
-        _mm512_mask_storeu_ps(sc + t, m, e);
-        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(m, e));
-      }
-      const float inv = 1.f / _mm512_reduce_add_ps(sv);
+      const float inv = softmax512(sc, n);
       __m512 acc[16];
       for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
       for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
@@ -206,14 +220,94 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
   }
 }
 
+#if defined(__AVX512F__)
+// G queries that read one KV head of one sequence (the GQA group's heads of a row, or of consecutive rows of one
+// sequence: a check's or a prompt's positions): query j (hd = 16·C floats at q[j]) over keys 0 .. n[j] − 1 → out[j];
+// sc: scratch of G·max(n) floats. Each key and each value is loaded once for the G queries (one at a time, a long
+// context's keys came from L3 once per query); every query's arithmetic is heads()'s — the same products, the same
+// sums in the same order — so its bits are those of heads() alone, whatever shares the group.
+template <int C, int G>
+inline void group512(const float* const* q, const int64_t* n, const Paged& kv, int64_t hd, float scale, float* sc,
+                     float* const* out) {
+  const int64_t P = kv.P;
+  int64_t nmax = 0;
+  for (int j = 0; j < G; ++j) nmax = std::max(nmax, n[j]);
+  __m512 qv[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) qv[j][c] = _mm512_loadu_ps(q[j] + 16 * c);
+  for (int64_t t0 = 0, pg = 0; t0 < nmax; t0 += P, ++pg) {
+    const float* kp = kv.k + kv.pages[pg] * kv.ps;
+    for (int64_t t = t0, e = std::min(nmax, t0 + P); t < e; ++t) {
+      const float* kt = kp + (t - t0) * hd;
+      __m512 kk[C];
+      for (int c = 0; c < C; ++c) kk[c] = _mm512_loadu_ps(kt + 16 * c);
+      for (int j = 0; j < G; ++j) {
+        if (t >= n[j]) continue;
+        __m512 a = _mm512_mul_ps(qv[j][0], kk[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[j][c], kk[c], a);
+        sc[j * nmax + t] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+  }
+  __m512 iv[G];
+  for (int j = 0; j < G; ++j) iv[j] = _mm512_set1_ps(softmax512(sc + j * nmax, n[j]));
+  __m512 acc[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0, pg = 0; t0 < nmax; t0 += P, ++pg) {
+    const float* vp = kv.v + kv.pages[pg] * kv.ps;
+    for (int64_t u = t0, e = std::min(nmax, t0 + P); u < e; ++u) {
+      const float* vt = vp + (u - t0) * hd;
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+      for (int j = 0; j < G; ++j) {
+        if (u >= n[j]) continue;
+        const __m512 w = _mm512_set1_ps(sc[j * nmax + u]);
+        for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(w, vv[c], acc[j][c]);
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[j] + 16 * c, _mm512_mul_ps(acc[j][c], iv[j]));
+}
+
+template <int C, int G>
+inline void group512_upto(int m, const float* const* q, const int64_t* n, const Paged& kv, int64_t hd, float scale,
+                          float* sc, float* const* out) {
+  if constexpr (G > 1) {
+    if (m < G) return group512_upto<C, G - 1>(m, q, n, kv, hd, scale, sc, out);
+  }
+  group512<C, G>(q, n, kv, hd, scale, sc, out);
+}
+#endif
+
+// The most queries one group() call takes at once (their queries and accumulators stay in registers).
+constexpr int64_t kGroupMax = 6;
+
+// Queries q[j] (hd floats each) over keys 0 .. n[j] − 1 of one KV head of one sequence → out[j], j < m ≤ kGroupMax;
+// sc: scratch of m·max(n) floats.
+inline void group(const float* const* q, const int64_t* n, int64_t m, const Paged& kv, int64_t hd, float scale,
+                  float* sc, float* const* out) {
+#if defined(__AVX512F__)
+  const int mm = static_cast<int>(m);
+  if (hd == 64) return group512_upto<4, 6>(mm, q, n, kv, hd, scale, sc, out);
+  if (hd == 32) return group512_upto<2, 6>(mm, q, n, kv, hd, scale, sc, out);
+  if (hd == 128) {
+    for (int j = 0; j < mm; ++j) group512<8, 1>(q + j, n + j, kv, hd, scale, sc, out + j);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < m; ++j) heads(q[j], kv, n[j], 1, hd, scale, sc, out[j]);  // each rereads the keys
+}
+
 // Rows b = 0 .. B − 1: q [B, nh, hd] → out [B, nh, hd]; row b reads keys 0 .. lens[b] − 1 of sequence slots[b],
-// whose pages are table[slots[b] · tw ..] in kc/vc [pages, nkv, P, hd]. Work is split by (row, query head) over the
-// threads, so that one row's nine heads share two cores 5:4 (split by KV head, 3 units went 2:1, and calls under
-// 2^18 multiply-adds stayed on one thread: 30 µs a layer for one row at 170 keys, 14 µs split this way on the 2-core
-// AVX2 EPYC); only calls of a few keys stay on the calling thread. The units run head by head, each head's rows in
-// turn, so that the rows of a check (consecutive positions of one sequence) read a head's keys while they are still
-// in the core's cache, and each core reads about two of the three KV heads instead of all three. A head's
-// arithmetic is the same whichever thread runs it.
+// whose pages are table[slots[b] · tw ..] in kc/vc [pages, nkv, P, hd]. The work units are (row, query head),
+// ordered KV head by KV head, within one its rows in turn, within a row its query heads: the threads take
+// contiguous ranges of them (one row's nine heads split 5:4 over two cores, where a split by KV head went 2:1), and
+// each range runs as groups of up to kGroupMax consecutive units whose rows read one sequence (group(): a key loaded
+// once for the group — a row's GQA heads, and the next rows' where they are positions of the same sequence, as a
+// check's or a prompt's are). A unit's arithmetic is the same whichever thread runs it and whatever shares its
+// group; only calls of a few keys stay on the calling thread.
 inline void rows(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t tw,
                  const int64_t* slots, const int64_t* lens, int64_t B, int64_t nh, int64_t nkv, int64_t P, int64_t hd,
                  float scale, float* out) {
@@ -222,12 +316,24 @@ inline void rows(const float* q, const float* kc, const float* vc, const int64_t
   for (int64_t b = 0; b < B; ++b) work += lens[b];
   auto run = [&](int64_t u0, int64_t u1) {
     std::vector<float> sc;
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u % B, h = u / B, n = lens[b];  // a head's rows in turn: its keys stay in cache
-      sc.resize(static_cast<size_t>(std::max<int64_t>(n, 1)));
-      const int64_t head = (h / g) * P * hd;
-      const Paged kv{kc + head, vc + head, table + slots[b] * tw, P, nkv * P * hd};
-      heads(q + (b * nh + h) * hd, kv, n, 1, hd, scale, sc.data(), out + (b * nh + h) * hd);
+    const float* qs[kGroupMax];
+    float* os[kGroupMax];
+    int64_t ns[kGroupMax];
+    for (int64_t u = u0; u < u1;) {
+      // a group: the next units of one KV head whose rows read one sequence, at most kGroupMax
+      const int64_t kvh = u / (B * g), slot = slots[(u % (B * g)) / g];
+      int64_t m = 0, nmax = 1;
+      for (; u < u1 && m < kGroupMax && u / (B * g) == kvh; ++u, ++m) {
+        const int64_t b = (u % (B * g)) / g, h = kvh * g + u % g;
+        if (slots[b] != slot) break;
+        qs[m] = q + (b * nh + h) * hd;
+        os[m] = out + (b * nh + h) * hd;
+        ns[m] = lens[b];
+        nmax = std::max(nmax, lens[b]);
+      }
+      sc.resize(static_cast<size_t>(m * nmax));
+      const Paged kv{kc + kvh * P * hd, vc + kvh * P * hd, table + slot * tw, P, nkv * P * hd};
+      group(qs, ns, m, kv, hd, scale, sc.data(), os);
     }
   };
   if (work * nh * hd < (1 << 13) || at::in_parallel_region()) run(0, units);

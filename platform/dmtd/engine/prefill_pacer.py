@@ -1,0 +1,114 @@
+"""How much prompt a prefill step takes while other sequences decode (torch-free).
+
+A prompt's prefill steps alternate with the running sequences' decode steps, so every prefill step is a gap in
+their streams. Where prompts run as rows (:meth:`dmtd.engine.prefill.Prefill.rows_prefill`: a position's bits do
+not depend on how its prompt was split), a prefill step takes the prompt positions that fit a time budget — about
+``prefill_pace`` times the running sequences' decode step — measured, not guessed: a position costs a fixed part
+(its products) and a part growing with the keys it reads, so a step late in a long prompt takes few positions and
+one early in it many. A running stream's gap then stays near ``1 + prefill_pace`` of its steady one however long
+the prompt that arrives (the scheduler's fixed chunks of ``prefill_chunk`` positions cost ~0.75 s each late in a
+4,096-token prompt on two cores). Without rows (SDPA chunks, whose bits depend on their boundaries) the scheduler
+keeps whole chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+__all__ = ["ROW_KEYS", "PrefillPacer", "end_within", "prompt_cost"]
+
+# a prompt position's work beside its attention, in keys read: on two cores of the AMX Xeon (bf16, exact profile)
+# a position cost ~0.31 ms plus ~0.97 µs a key (4,096- and 1,024-token prompts prefilled alone)
+ROW_KEYS = 320
+
+
+def prompt_cost(start: int, end: int) -> float:
+    """The work of prompt positions ``start .. end - 1`` in keys read (each reads the keys up to itself)."""
+    n = end - start
+    return n * ROW_KEYS + (start + end + 1) * n / 2
+
+
+def end_within(start: int, target: int, units: float) -> int:
+    """The furthest end in ``start + 1 .. target`` whose positions from ``start`` cost at most ``units`` (at least
+    one position: a prompt always moves)."""
+    b = ROW_KEYS + start + 0.5  # cost(n) = n² / 2 + b·n
+    n = int(math.sqrt(b * b + 2 * max(units, 0.0)) - b)
+    while n > 1 and prompt_cost(start, start + n) > units:
+        n -= 1
+    while start + n + 1 <= target and prompt_cost(start, start + n + 1) <= units:
+        n += 1
+    return min(target, start + max(n, 1))
+
+
+class PrefillPacer:
+    """When a prefill step runs while sequences decode, and how many keys (:func:`prompt_cost`) it may read.
+
+    ``pace``: the time prefill steps may take per unit of decode steps' time (0: no pacing, the scheduler's
+    alternating whole chunks). Decode steps run while a prompt waits earn credit; a prefill step runs once the
+    credit covers a step's fixed cost (its weights read, its passes' overhead: about a decode step's on two cores),
+    takes what the rest buys, and spends its measured time. With the exact profile's draft and check steps this is
+    one prefill step a cycle rather than one after each step: a stream's gap holds one prefill step, not two. A
+    prefill step's time is fitted as ``fixed + per_key · keys`` over the last paced steps (least squares; before
+    two distinct ones, a cautious guess).
+    """
+
+    def __init__(self, pace: float, window: int = 32) -> None:
+        self.pace = pace
+        self.credit_ms = 0.0
+        self.check_ms: float | None = None  # a check step's time without prompt rows (a moving average)
+        self.ride_per_key = 1.5e-3  # what a key of prompt rows adds to a check step, ms (a moving average)
+        self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # paced prefill steps: (keys, ms)
+
+    def observe_check(self, ms: float, ride_keys: float) -> None:
+        """A step with a check pass: without prompt rows it sets the check step's time; with them, their cost
+        a key is what the step took beyond it."""
+        if ride_keys <= 0:
+            self.check_ms = ms if self.check_ms is None else 0.8 * self.check_ms + 0.2 * ms
+        elif self.check_ms is not None:
+            per_key = max(ms - self.check_ms, 0.0) / ride_keys
+            self.ride_per_key = max(1e-5, 0.7 * self.ride_per_key + 0.3 * per_key)
+
+    def ride_budget(self) -> float | None:
+        """Keys prompt rows may add to a check pass: ``pace`` times a check step's time (None: no pacing)."""
+        if self.pace <= 0:
+            return None
+        return self.pace * (self.check_ms if self.check_ms is not None else 10.0) / self.ride_per_key
+
+    def observe_decode(self, ms: float, prompt_waiting: bool) -> None:
+        """A decode step's time; it earns credit while a prompt waits for its prefill (else the credit resets)."""
+        self.credit_ms = self.credit_ms + ms if prompt_waiting else 0.0
+
+    def observe_prefill(self, keys: float, ms: float, paced: bool) -> None:
+        """A prefill step's work and time; a paced one spends credit and feeds the fit."""
+        if not paced:
+            return
+        self.credit_ms -= ms / self.pace
+        if keys > 0:
+            self._steps.append((keys, ms))
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed ms, ms per key) of a prefill step."""
+        obs = list(self._steps)
+        n = len(obs)
+        if n >= 2:
+            mx = sum(k for k, _ in obs) / n
+            my = sum(t for _, t in obs) / n
+            sxx = sum((k - mx) ** 2 for k, _ in obs)
+            if sxx > 1e-9 * mx * mx:
+                slope = sum((k - mx) * (t - my) for k, t in obs) / sxx
+                if slope > 0:
+                    return max(0.0, my - slope * mx), slope
+            return 0.0, my / mx
+        if n == 1:
+            return 0.0, obs[0][1] / obs[0][0]
+        return 0.0, 2e-3  # 2 µs a key: about twice what two cores of the AMX Xeon take
+
+    def budget(self) -> float | None:
+        """Keys the next prefill step may read while sequences decode; negative: not yet (decode first); None:
+        no pacing."""
+        if self.pace <= 0:
+            return None
+        fixed, per_key = self.fit()
+        spend = self.pace * self.credit_ms - fixed
+        return spend / per_key if spend >= 0 else -1.0

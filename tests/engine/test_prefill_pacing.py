@@ -1,0 +1,125 @@
+"""Prompts prefilled while others decode: split anywhere where prompts run as rows, paced by measured step times,
+riding on the exact profile's check passes — and every token the one a prompt prefilled alone gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmtd.engine.config import ConfigError, EngineConfig
+from dmtd.engine.prefill_pacer import PrefillPacer, end_within, prompt_cost
+from dmtd.engine.sequence import SamplingParams
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.integers(0, 8000), extra=st.integers(1, 4000), units=st.floats(-10, 5e6))
+def test_end_within_takes_the_most_positions_the_budget_pays_for_and_at_least_one(start, extra, units):
+    target = start + extra
+    end = end_within(start, target, units)
+    assert start < end <= target
+    assert end == start + 1 or prompt_cost(start, end) <= units
+    assert end == target or prompt_cost(start, end + 1) > units
+    # the cost is the keys each position reads plus a fixed part a position
+    assert prompt_cost(start, end) == sum(p + 1 + 320 for p in range(start, end))
+
+
+def test_the_pacer_spends_credit_earned_by_decode_steps_and_fits_a_prefill_steps_time():
+    pacer = PrefillPacer(1.0)
+    assert pacer.budget() == 0.0  # no credit yet: a step of one position
+    pacer.observe_decode(20.0, prompt_waiting=True)
+    first = pacer.budget()
+    assert first == pytest.approx(20.0 / 2e-3)  # the cautious guess before any prefill step
+    for keys, ms in [(1000, 11.0), (3000, 13.0), (5000, 15.0)]:  # 10 ms fixed, 1 µs a key
+        pacer.observe_prefill(keys, ms, paced=True)
+    assert pacer.fit() == pytest.approx((10.0, 1e-3))
+    assert pacer.credit_ms == pytest.approx(20.0 - 39.0)
+    assert pacer.budget() == -1.0  # spent: decode first
+    pacer.observe_decode(30.0, prompt_waiting=True)
+    pacer.observe_decode(30.0, prompt_waiting=True)
+    assert pacer.budget() == pytest.approx((41.0 - 10.0) / 1e-3)
+    pacer.observe_decode(5.0, prompt_waiting=False)  # nothing waits: credit goes
+    assert pacer.credit_ms == 0.0
+    pacer.observe_check(16.0, 0.0)
+    pacer.observe_check(40.0, 16000.0)  # 24 ms beyond the check for 16,000 keys: 1.5 µs a key
+    assert pacer.ride_budget() == pytest.approx(16.0 / 1.5e-3)
+    assert PrefillPacer(0.0).budget() is None and PrefillPacer(0.0).ride_budget() is None
+
+
+@pytest.mark.parametrize("pace", [-1.0, float("nan"), float("inf")])
+def test_a_bad_pace_is_refused_naming_the_field(pace):
+    with pytest.raises(ConfigError, match="prefill_pace"):
+        EngineConfig(prefill_pace=pace)
+
+
+def _smollm2(variant: str, dtype: str, **cfg):
+    from dmtd.variants.build import build_engine, engine_spec
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    spec = engine_spec(None, variant, dtype=getattr(torch, dtype), search_dirs=[SHIPPED_VARIANTS])
+    return build_engine(spec, EngineConfig(**{"max_model_len": 1024, "dtype": dtype, **cfg}))
+
+
+def _long_prompt(words: int) -> list[dict[str, str]]:
+    system = " ".join(f"Rule {i}: answer about item {i * 7} kindly and in one sentence." for i in range(words))
+    return [{"role": "system", "content": system}, {"role": "user", "content": "What is rule 3 about?"}]
+
+
+def _stream_with_arrivals(e, stream, arrivals, params, arrive_at=(6,)):
+    """``stream`` decodes; ``arrivals[i]`` is added at its ``arrive_at[i]``-th step (the last value for the rest);
+    every request's tokens."""
+    rid = e.add_request(stream, params[0])
+    ids, step = [rid], 0
+    when = [arrive_at[min(i, len(arrive_at) - 1)] for i in range(len(arrivals))]
+    while e.has_unfinished():
+        ids += [e.add_request(p, q) for p, q, w in zip(arrivals, params[1:], when) if w == step]
+        e.step()
+        step += 1
+    return [list(e.seqs[r].token_ids[e.seqs[r].prompt_len:]) for r in ids]
+
+
+def test_smollm2_prompts_riding_on_checks_give_the_base_models_tokens():
+    """bf16 (prompts as rows): a ~900-token prompt, and later a second one sharing its system prompt, arrive while an
+    exact stream decodes; their prefill is split over many steps and rides on the stream's check passes; every exact
+    request's tokens are the base model's, each alone, and a dmtd-profile request's are its own alone."""
+    from dmtd.bench.exact_bench import CHATS
+
+    long_a, long_b = _long_prompt(50), _long_prompt(50)
+    long_b[1]["content"] = "And rule 5?"
+    stream = [{"role": "user", "content": CHATS[0]}]
+    exact = SamplingParams(max_new_tokens=24, exact=True, ignore_eos=True)
+    base = _smollm2("none", "bfloat16", max_num_seqs=1, prefix_caching=False)
+    ref = [base.generate([p], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
+           for p in (stream, long_a, long_b)]
+    e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=4, adaptive_drafts=True)
+    assert e.runner.rows_prefill()
+    stream_params = SamplingParams(max_new_tokens=120, exact=True, ignore_eos=True)
+    got = _stream_with_arrivals(e, stream, [long_a, long_b], [stream_params, exact, exact], arrive_at=(6, 40))
+    assert e.scheduler.num_rides >= 4  # split over several check passes, not prefilled at once
+    assert got[1] == ref[1] and got[2] == ref[2]
+    assert got[0][:24] == ref[0]
+    assert e.scheduler.prefix.stats.cached_tokens > 0  # the second found the first's system prompt
+    assert e.scheduler.num_free_kv_rows == 4 and not e.has_unfinished()
+    # the dmtd profile (its own tokens, not the base's) riding beside exact checks: the same as it alone (its
+    # cycles anchored at its prompt's end, not at the batch's shared clock)
+    dmtd = SamplingParams(max_new_tokens=16, tau=3, ignore_eos=True)
+    alone = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=1, prefix_caching=False, prefill_pace=0.0,
+                     align_phases=False)
+    want = alone.generate([long_a], dmtd)[0].token_ids
+    e2 = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=2, adaptive_drafts=True, align_phases=False)
+    got2 = _stream_with_arrivals(e2, stream, [long_a], [stream_params, dmtd])
+    assert e2.scheduler.num_rides >= 4
+    assert got2[1] == want and got2[0][:24] == ref[0]
+
+
+def test_without_pacing_a_running_stream_meets_whole_chunks():
+    """prefill_pace 0: a prompt arriving beside a stream takes prefill steps of prefill_chunk positions of its own
+    (the engine before pacing), and nothing rides."""
+    from dmtd.bench.exact_bench import CHATS
+
+    e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=2, adaptive_drafts=True, prefill_pace=0.0)
+    params = SamplingParams(max_new_tokens=40, exact=True, ignore_eos=True)
+    _stream_with_arrivals(e, [{"role": "user", "content": CHATS[0]}], [_long_prompt(40)], [params, params])
+    assert e.scheduler.num_rides == 0
+    assert e.pass_stats["prefill"][0] >= 3  # the stream's prompt, then the long one in chunks
