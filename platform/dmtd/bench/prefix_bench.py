@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -15,6 +16,13 @@ from typing import Any
 from tqdm import tqdm
 
 from dmtd.bench.exact_bench import CHATS
+
+
+def _pace(value: str) -> float:
+    x = float(value)
+    if not (x >= 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return x
 
 
 def add_prefix_bench_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +34,8 @@ def add_prefix_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--long-prompt", type=int, default=4096, help="the prompt that arrives mid-stream (ITL run)")
+    p.add_argument("--prefill-pace", type=_pace, default=1.0,
+                   help="the engine's prefill_pace for the shared-prefix runs and the paced ITL run")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
 
 
@@ -37,7 +47,8 @@ def _engine(args: argparse.Namespace, **cfg: Any) -> Any:
     from dmtd.variants.paths import SHIPPED_VARIANTS
 
     spec = engine_spec(None, args.variant, dtype=getattr(torch, args.dtype), search_dirs=[SHIPPED_VARIANTS])
-    base = dict(max_num_seqs=args.concurrency, max_model_len=8192, dtype=args.dtype, adaptive_drafts=True)
+    base = dict(max_num_seqs=args.concurrency, max_model_len=8192, dtype=args.dtype, adaptive_drafts=True,
+                prefill_pace=args.prefill_pace)
     return build_engine(spec, EngineConfig(**{**base, **cfg}))
 
 
@@ -159,7 +170,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
     result["shared_prefix"] = rows
     long_prompt = chat(system_prompt(cached, 99, args.long_prompt - 40), CHATS[2])
     itl = {}
-    ways = [("paced (default)", {}), ("chunks of 128", {"prefill_pace": 0.0}),
+    ways = [(f"paced ({args.prefill_pace:g})", {}), ("chunks of 128", {"prefill_pace": 0.0}),
             ("whole prompt", {"prefill_pace": 0.0, "prefill_chunk": 8192})]
     for name, how in tqdm(ways, desc="bench prefix (ITL)"):
         e = _engine(args, max_num_seqs=2, prefix_caching=False, **how)

@@ -242,7 +242,7 @@ class LLMEngine:
         elif riders:  # the scheduler rides prompts on a check pass only; should none run, they get their own
             prompt_logits = self.timed("prefill", self.runner.prefill, riders)[0]
         self.scheduler.num_decode_steps += 1
-        if gate is not None:
+        if gate is not None and not riders:  # a step carrying prompt rows measures neither mode
             gate.observe(len(out.decode), len(results), time.perf_counter() - t_step)
         done = self.scheduler.prefilled(out.ride) if out.ride else []
         if done:

@@ -57,23 +57,26 @@ class PrefillPacer:
         self.pace = pace
         self.credit_ms = 0.0
         self.check_ms: float | None = None  # a check step's time without prompt rows (a moving average)
-        self.ride_per_key = 1.5e-3  # what a key of prompt rows adds to a check step, ms (a moving average)
+        self._rides: deque[tuple[float, float]] = deque(maxlen=window)  # prompt rows on checks: (keys, ms added)
         self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # paced prefill steps: (keys, ms)
 
     def observe_check(self, ms: float, ride_keys: float) -> None:
-        """A step with a check pass: without prompt rows it sets the check step's time; with them, their cost
-        a key is what the step took beyond it."""
+        """A step with a check pass: without prompt rows it sets the check step's time; with them, what the step
+        took beyond it is the rows' cost (fitted as ``fixed + per_key · keys``: the variant's decoding group over
+        the prompt rows is a call of its own, its weights read once whatever the rows)."""
         if ride_keys <= 0:
             self.check_ms = ms if self.check_ms is None else 0.8 * self.check_ms + 0.2 * ms
         elif self.check_ms is not None:
-            per_key = max(ms - self.check_ms, 0.0) / ride_keys
-            self.ride_per_key = max(1e-5, 0.7 * self.ride_per_key + 0.3 * per_key)
+            self._rides.append((ride_keys, max(ms - self.check_ms, 0.0)))
 
     def ride_budget(self) -> float | None:
-        """Keys prompt rows may add to a check pass: ``pace`` times a check step's time (None: no pacing)."""
+        """Keys prompt rows may add to a check pass: what ``pace`` times a check step's time buys (None: no
+        pacing)."""
         if self.pace <= 0:
             return None
-        return self.pace * (self.check_ms if self.check_ms is not None else 10.0) / self.ride_per_key
+        fixed, per_key = _fit(self._rides, 0.0, 1.5e-3)
+        spend = self.pace * (self.check_ms if self.check_ms is not None else 10.0) - fixed
+        return max(spend, 0.0) / per_key
 
     def observe_decode(self, ms: float, prompt_waiting: bool) -> None:
         """A decode step's time; it earns credit while a prompt waits for its prefill (else the credit resets)."""
@@ -89,20 +92,7 @@ class PrefillPacer:
 
     def fit(self) -> tuple[float, float]:
         """(fixed ms, ms per key) of a prefill step."""
-        obs = list(self._steps)
-        n = len(obs)
-        if n >= 2:
-            mx = sum(k for k, _ in obs) / n
-            my = sum(t for _, t in obs) / n
-            sxx = sum((k - mx) ** 2 for k, _ in obs)
-            if sxx > 1e-9 * mx * mx:
-                slope = sum((k - mx) * (t - my) for k, t in obs) / sxx
-                if slope > 0:
-                    return max(0.0, my - slope * mx), slope
-            return 0.0, my / mx
-        if n == 1:
-            return 0.0, obs[0][1] / obs[0][0]
-        return 0.0, 2e-3  # 2 µs a key: about twice what two cores of the AMX Xeon take
+        return _fit(self._steps, 0.0, 2e-3)  # 2 µs a key: about twice what two cores of the AMX Xeon take
 
     def budget(self) -> float | None:
         """Keys the next prefill step may read while sequences decode; negative: not yet (decode first); None:
@@ -112,3 +102,21 @@ class PrefillPacer:
         fixed, per_key = self.fit()
         spend = self.pace * self.credit_ms - fixed
         return spend / per_key if spend >= 0 else -1.0
+
+
+def _fit(obs: deque[tuple[float, float]], fixed: float, per_key: float) -> tuple[float, float]:
+    """(fixed ms, ms per key) fitted to ``(keys, ms)`` observations by least squares, the fixed part at least 0 and
+    the slope positive; the guesses until two distinct observations."""
+    n = len(obs)
+    if n >= 2:
+        mx = sum(k for k, _ in obs) / n
+        my = sum(t for _, t in obs) / n
+        sxx = sum((k - mx) ** 2 for k, _ in obs)
+        if sxx > 1e-9 * mx * mx:
+            slope = sum((k - mx) * (t - my) for k, t in obs) / sxx
+            if slope > 0:
+                return max(0.0, my - slope * mx), slope
+        return 0.0, max(my / mx, 1e-6)
+    if n == 1:
+        return 0.0, max(obs[0][1] / obs[0][0], 1e-6)
+    return fixed, per_key

@@ -129,7 +129,8 @@ class VerifiedCycles:
                 self.forced(s)
             if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
                 self.from_context(s)
-        self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
+        if not prompts:  # a check carrying prompt rows is no check's cost
+            self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
         return results
 
     def choose(self, seq: Sequence) -> None:
