@@ -85,6 +85,33 @@ def test_a_dry_pool_preempts_the_newest_and_it_goes_on_where_it_was(exact):
     assert e.scheduler.pages.num_used == 0
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_prompt_preempted_before_its_first_token_starts_over(exact):
+    """A long prompt prefilled in chunks between a running sequence's decode steps is preempted part way (the pool
+    runs dry as the other grows): it is queued again as a new prompt — prefilled whole, its first token sampled — not
+    resumed as a sequence that had tokens (a resume feeds its last token as a decode step: from a prompt that would
+    be a tail with no head before it). Both end with the tokens they get alone."""
+    g = torch.Generator().manual_seed(5)
+    short, long = rand_ids(g, 6), rand_ids(g, 56)
+    params = [SamplingParams(max_new_tokens=40, tau=3, exact=exact), SamplingParams(max_new_tokens=8, tau=3,
+                                                                                      exact=exact)]
+    alone = [engine(4, pool=None, slots=1, dtype="float32", align_phases=False).generate([p], q)[0].token_ids
+             for p, q in zip((short, long), params)]
+    e = engine(4, pool=80, slots=2, dtype="float32", align_phases=False, chunk=4)  # 20 pages of 4
+    a = e.add_request(short, params[0])
+    while e.seqs[a].num_tokens < 12:  # the short one decodes a while: its pages grow toward the pool's end
+        e.step()
+    b = e.add_request(long, params[1])
+    preempted_early = False
+    while e.has_unfinished():
+        e.step()
+        seq = e.seqs[b]
+        preempted_early |= seq.num_preempted > 0 and seq.num_generated == 0
+    assert preempted_early  # caught part way through its prompt
+    assert [e.seqs[r].token_ids[e.seqs[r].prompt_len:] for r in (a, b)] == alone
+    assert e.scheduler.pages.num_used == 0
+
+
 def test_a_request_that_can_never_fit_is_refused_at_admission_and_others_run():
     e = engine(2, pool=32, slots=2, dtype="float32", align_phases=True)
     with pytest.raises(CapacityError, match="prompt: 40 tokens need more than the KV pool's 8 pages of 4"):

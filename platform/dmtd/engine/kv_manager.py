@@ -170,10 +170,11 @@ class KVCacheManager:
 
     def preempted(self, seq: Sequence) -> None:
         """``seq`` lets its row and pages go and will be prefilled again over its prompt and every token but its
-        last (which the next step feeds as it would have)."""
+        last (which the next step feeds as it would have); one preempted before its first token (its prompt partly
+        prefilled) starts over as a new prompt."""
         self.release(seq)
         seq.num_prefilled = seq.prefill_end = 0
-        seq.resume_len = seq.num_tokens - 1
+        seq.resume_len = seq.num_tokens - 1 if seq.num_generated else 0
 
     def release(self, seq: Sequence) -> None:
         """``seq`` lets its row and pages go (its published chunks stay cached)."""

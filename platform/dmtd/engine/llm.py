@@ -44,9 +44,13 @@ class LLMEngine:
         self.dmtd = dmtd
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, dmtd, self.cfg, verifier)
+        # where prompts run as rows, a prompt's bits do not depend on how its prefill is split: the prefix cache
+        # shares single pages, and a prompt may be split anywhere while others decode
+        self.rows_prefill = self.runner.rows_prefill()
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
                                    self.cfg.max_prefill_tokens, self.cfg.align_phases, self.cfg.prefill_chunk,
-                                   self.cfg.prefix_caching, self.runner.cache.pages)
+                                   self.cfg.prefix_caching, self.runner.cache.pages,
+                                   self.runner.cache.page_size if self.rows_prefill else None)
         self.pacer = PrefillPacer(self.cfg.prefill_pace)  # how much prompt a step takes while others decode
         self.default_tau = default_tau or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
@@ -170,7 +174,7 @@ class LLMEngine:
         """Schedule a batch, run its passes, postprocess their tokens into per-request outputs."""
         t_step = time.perf_counter()
         sched = self.scheduler
-        sched.free_split = self.runner.rows_prefill()
+        sched.free_split = self.rows_prefill
         sched.prefill_budget = self.pacer.budget() if sched.free_split else None
         sched.ride_budget = self.pacer.ride_budget()
         out = sched.schedule()

@@ -33,6 +33,7 @@ class Prefill:
     verifier: Verifier
     verify_weights: list[LayerWeights]
     verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+    rows_promised = False  # rows_prefill() said yes: the engine relies on it
 
     if TYPE_CHECKING:  # the runner's own
         def logits(self, h: torch.Tensor) -> torch.Tensor: ...
@@ -53,7 +54,11 @@ class Prefill:
         prompts to the longest and mask attention, and SDPA's sums over a chunk depend on the chunk's extent.
         """
         last: dict[int, torch.Tensor] = {}  # sequence index → its last computed position's output [1, H]
-        if self._rows_ok(seqs):
+        rows = self._rows_ok(seqs)
+        if not rows and self.rows_promised:  # the engine split prompts and shares pages on the rows' promise
+            raise RuntimeError("prefill: the rows op no longer runs these layers (the verifier's weights?), and "
+                               "SDPA chunks would give a prompt other bits than the prefix cache's pages")
+        if rows:
             todo = {i: (s.num_prefilled, s.prefill_end) for i, s in enumerate(seqs) if s.num_prefilled < s.prefill_end}
             if todo:
                 last = self._prefill_rows(seqs, todo)
@@ -73,8 +78,10 @@ class Prefill:
         return torch.cat(done)
 
     def rows_prefill(self) -> bool:
-        """Whether prompts run as rows here (any split of a prompt over steps then gives the same bits)."""
-        return bool(self.model.fused_layers) and self._rows_prefill_ok()
+        """Whether prompts run as rows here (any split of a prompt over steps then gives the same bits); from the
+        first answer on, prefill holds to it."""
+        self.rows_promised = bool(self.model.fused_layers) and self._rows_prefill_ok()
+        return self.rows_promised
 
     def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor:
         """Which of ``s``'s positions ``pos`` route the deep state into the decoding group: prompt positions by the

@@ -72,11 +72,14 @@ class Scheduler:
 
     def __init__(self, dmtd: DMTDConfig, max_num_seqs: int, max_model_len: int,
                  max_prefill_tokens: int, align_phases: bool = False, prefill_chunk: int = 128,
-                 prefix_caching: bool = True, pages: KVPages | None = None) -> None:
+                 prefix_caching: bool = True, pages: KVPages | None = None, cache_chunk: int | None = None) -> None:
         self.dmtd = dmtd
         # positions past num_tokens that one decode step may write: a check of τ − 1 drafts, or the draft before it
         self.lookahead = max(dmtd.tau_max, 1)
-        self.kv = KVCacheManager(max_num_seqs, max_model_len, self.lookahead, prefill_chunk, prefix_caching, pages)
+        # the prefix cache's unit: whole prefill chunks, or single pages where prompts run as rows (any split of a
+        # prompt has the same bits there)
+        self.kv = KVCacheManager(max_num_seqs, max_model_len, self.lookahead, cache_chunk or prefill_chunk,
+                                 prefix_caching, pages)
         self.num_preempted = 0
         self._preempted: list[Sequence] = []  # since the engine last took them (take_preempted)
         # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
