@@ -67,10 +67,10 @@ def wait_variant(target: str, ok: Callable[[Any], bool], timeout_s: float = 20) 
 
 
 def replica_nodes(cluster: RayCluster) -> dict[str, str]:
-    """`TokenBlock.replica` ("replica-<pid>") → the node address of each RUNNING replica."""
+    """`TokenBlock.replica` ("replica-<host>-<pid>") → the node address of each RUNNING replica."""
     running = cluster.running_replicas("DMTDReplica")
-    names = {f"replica-{r['pid']}": r["node_ip"] for r in running}
-    assert len(names) == len(running), f"two replicas share a pid: {running}"
+    names = {f"replica-{cluster.node_of(r['node_ip']).spec.name}-{r['pid']}": r["node_ip"] for r in running}
+    assert len(names) == len(running), f"two replicas share a name: {running}"
     return names
 
 

@@ -86,7 +86,7 @@ def test_a_burst_of_new_prefixes_spreads_over_both_replicas(two_replicas):
 
 
 def test_a_dead_replica_leaves_the_index_and_requests_go_on(two_replicas):
-    replica, _, _ = ask(two_replicas, SYSTEMS[0], QUESTIONS[0])  # its prefix's replica: "replica-<pid>"
+    replica, _, _ = ask(two_replicas, SYSTEMS[0], QUESTIONS[0])  # its prefix's replica: "replica-<host>-<pid>"
     os.kill(int(replica.rsplit("-", 1)[1]), signal.SIGKILL)
     deadline, served = time.monotonic() + 30, []
     while time.monotonic() < deadline and len(served) < 4:

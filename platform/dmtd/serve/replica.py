@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -58,7 +59,8 @@ class DMTDReplica:
         engine, cfg = executor.submit(engine_factory).result()
         # ready means warm: Serve routes to a replica once this constructor returns
         self.warmup_s = executor.submit(warm_up, engine, cfg.tau_max, cfg.default_profile).result()
-        self.name = name or f"replica-{os.getpid()}"
+        # unique across nodes: a pid alone is not (replicas started alike in containers of one image got the same)
+        self.name = name or f"replica-{socket.gethostname()}-{os.getpid()}"
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name, executor=executor)
         self.loop.pusher = self.pusher
         if telemetry is not None:  # built by the app: JSON logs, a Prometheus endpoint, the configured exporter
