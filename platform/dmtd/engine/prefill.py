@@ -9,36 +9,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dmtd.engine.model import StepContext, Transformer, route_decoding_input
+from dmtd.engine.model import StepContext, route_decoding_input
+from dmtd.engine.runner_part import RunnerPart
 from dmtd.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from dmtd.engine.config import DMTDConfig, EngineConfig
-    from dmtd.engine.kv_cache import KVCache
-    from dmtd.engine.model import LayerWeights
-    from dmtd.engine.verifier import Verifier
+    pass
 
 
-class Prefill:
+class Prefill(RunnerPart):
     """Prompt prefill (mixed into the runner, whose model, caches and contexts it uses)."""
 
-    model: Transformer
-    dmtd: DMTDConfig
-    cfg: EngineConfig
-    device: torch.device
-    act_dtype: torch.dtype
-    weights: list[LayerWeights]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    cache: KVCache
-    verifier: Verifier
-    verify_weights: list[LayerWeights]
-    verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
     rows_promised = False  # rows_prefill() said yes: the engine relies on it
-
-    if TYPE_CHECKING:  # the runner's own
-        def logits(self, h: torch.Tensor) -> torch.Tensor: ...
-        def enable_exact(self) -> None: ...
-        def _context(self, kv_rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> StepContext: ...
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -79,8 +79,9 @@ class PrefillPacer:
         return max(spend, 0.0) / per_key
 
     def observe_decode(self, ms: float, prompt_waiting: bool) -> None:
-        """A decode step's time; it earns credit while a prompt waits for its prefill (else the credit resets)."""
-        self.credit_ms = self.credit_ms + ms if prompt_waiting else 0.0
+        """A decode step's time; it earns credit while a prompt waits for its prefill (else the credit resets), at
+        most a few steps' worth (credit left unspent while prompts rode on checks buys no stall later)."""
+        self.credit_ms = min(self.credit_ms + ms, 3 * ms) if prompt_waiting else 0.0
 
     def observe_prefill(self, keys: float, ms: float, paced: bool) -> None:
         """A prefill step's work and time; a paced one spends credit and feeds the fit."""
