@@ -87,6 +87,11 @@ class EngineSettings(_Settings):
         description="Prefill work a step while other sequences decode, in decode steps' time (riding on the exact "
         "profile's check passes): running streams' gaps stay near 1 + this; higher gives new prompts their first "
         "token sooner. 0: whole chunks of 128 positions between decode steps.")
+    long_prefill_tokens: int = Field(
+        default=2048, ge=0, le=1 << 20,
+        description="A prompt of at most this many tokens is prefilled whole at the next step while others decode "
+        "(their streams take the gap, for the prompt's first token sooner); a longer one is paced (prefill_pace). "
+        "0: every prompt is paced.")
     dtype: Dtype | None = Field(
         default=None, description="Weights and activations (default: the variant's recommendation, else auto: "
         "bfloat16 on a CPU with AVX-512 or AVX2).")

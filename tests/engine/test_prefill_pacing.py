@@ -92,7 +92,8 @@ def test_smollm2_prompts_riding_on_checks_give_the_base_models_tokens():
     base = _smollm2("none", "bfloat16", max_num_seqs=1, prefix_caching=False)
     ref = [base.generate([p], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
            for p in (stream, long_a, long_b)]
-    e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=4, adaptive_drafts=True)
+    # long_prefill_tokens 0: these prompts (~900 tokens) are paced, as a longer one is by default
+    e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=4, adaptive_drafts=True, long_prefill_tokens=0)
     assert e.runner.rows_prefill()
     stream_params = SamplingParams(max_new_tokens=120, exact=True, ignore_eos=True)
     got = _stream_with_arrivals(e, stream, [long_a, long_b], [stream_params, exact, exact], arrive_at=(6, 40))
@@ -107,7 +108,8 @@ def test_smollm2_prompts_riding_on_checks_give_the_base_models_tokens():
     alone = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=1, prefix_caching=False, prefill_pace=0.0,
                      align_phases=False)
     want = alone.generate([long_a], dmtd)[0].token_ids
-    e2 = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=2, adaptive_drafts=True, align_phases=False)
+    e2 = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=2, adaptive_drafts=True, align_phases=False,
+                  long_prefill_tokens=0)
     got2 = _stream_with_arrivals(e2, stream, [long_a], [stream_params, dmtd])
     assert e2.scheduler.num_rides >= 4
     assert got2[1] == want and got2[0][:24] == ref[0]

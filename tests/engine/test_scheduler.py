@@ -132,3 +132,79 @@ def test_sampling_params_name_the_field(field, kw):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kw)
     assert e.value.field == field
+
+
+def rows_scheduler(max_num_seqs=4, max_len=2048, long_prefill_tokens=512) -> Scheduler:
+    """Prompts as rows (split anywhere), the prefix cache by pages: the engine's scheduler on a CPU in bf16."""
+    s = Scheduler(DMTDConfig(0, 3, 1, 4, "prompt_end"), max_num_seqs, max_len, 4096, cache_chunk=16,
+                  long_prefill_tokens=long_prefill_tokens)
+    s.free_split = True
+    return s
+
+
+def prompt(rid, tokens, **kw):
+    return Sequence(rid, list(tokens), SamplingParams(**{"max_new_tokens": 4, **kw}), tau=1)
+
+
+def finish_prefill(s: Scheduler, out: SchedulerOutput) -> list[str]:
+    """The runner computed the step's prompt positions: the prompts it completed, by id."""
+    return [q.req_id for q in s.prefilled(out.prefill or out.ride)]
+
+
+def test_prompts_as_rows_the_least_work_first_each_prompt_in_a_step_of_its_own():
+    s = rows_scheduler()
+    s.add(prompt("long", range(1, 1501)))
+    s.add(prompt("short", range(5000, 5040)))
+    s.add(prompt("mid", range(7000, 7800)))
+    order = []
+    while s.prefilling or s.waiting:
+        out = s.schedule()
+        assert len(out.prefill) == 1  # each a step of its own: the first ones answer before the long one is done
+        order += finish_prefill(s, out)
+        s.running.clear()  # (nothing decodes in between: every step is a whole-prompt step)
+    assert order == ["short", "mid", "long"]
+
+
+def test_a_prompt_whose_system_prompt_another_is_computing_waits_and_reads_its_pages():
+    s = rows_scheduler()
+    system = list(range(1, 801))
+    s.add(prompt("a", system + [9001, 9002]))
+    s.add(prompt("b", system + [9003, 9004, 9005]))
+    out = s.schedule()
+    assert [q.req_id for q in out.prefill] == ["a"]  # b is admitted but computes nothing of a's system prompt
+    b = next(q for q in s.prefilling if q.req_id == "b")
+    assert b.num_prefilled == 0
+    finish_prefill(s, out)
+    s.running.clear()
+    out = s.schedule()
+    assert [q.req_id for q in out.prefill] == ["b"]
+    assert b.num_cached_tokens == 800 and b.prefill_end == 803  # a's 50 published pages, its own 3 positions
+    assert s.prefix.stats.cached_tokens == 800
+
+
+def test_beside_decoding_a_short_prompt_runs_whole_and_a_long_one_is_paced():
+    s = rows_scheduler(long_prefill_tokens=512)
+    s.add(prompt("stream", range(1, 9), max_new_tokens=100))
+    finish_prefill(s, s.schedule())
+    s.prefill_budget = 20_000.0  # keys the pacer grants a step beside the stream
+    s.add(prompt("long", range(100, 1100)))
+    out = s.schedule()
+    long = out.prefill[0]
+    assert long.req_id == "long" and 0 < long.prefill_end - long.num_prefilled < 100  # a paced piece
+    finish_prefill(s, out)
+    s.add(prompt("short", range(3000, 3400)))
+    out = s.schedule()
+    if not out.prefill:  # (a decode step between two prefill steps)
+        out = s.schedule()
+    short = next(q for q in out.prefill if q.req_id == "short")
+    assert short.num_prefilled == 0 and short.prefill_end == 400  # whole, beyond the step's budget
+    assert finish_prefill(s, out) == ["short"]
+
+
+def test_prompts_admitted_together_start_together_where_a_dmtd_rows_phases_follow_the_shared_clock():
+    s = Scheduler(DMTDConfig(0, 3, 1, 4, "prompt_end"), 4, 2048, 4096, align_phases=True, cache_chunk=16)
+    s.free_split = True
+    s.add(prompt("long", range(1, 901), exact=True))
+    s.add(prompt("dmtd", range(5000, 5040)))  # its tokens depend on its phases: it starts with the rest
+    out = s.schedule()
+    assert sorted(q.req_id for q in out.prefill) == ["dmtd", "long"]

@@ -197,6 +197,10 @@ class EngineConfig:
     # (dmtd.engine.prefill_pacer; a running stream's gaps stay near 1 + prefill_pace of its steady ones); 0: a
     # whole chunk of prefill_chunk positions each time
     prefill_pace: float = 1.0
+    # where prompts run as rows: a prompt of at most this many positions is prefilled whole at the next step while
+    # others decode (their streams take the gap, as vLLM's chunked prefill takes a prompt within its step's budget);
+    # a longer one is paced (prefill_pace). 0: every prompt is paced
+    long_prefill_tokens: int = 2048
     prefix_caching: bool = True  # a prompt's leading chunks found in the cache are reused (dmtd.engine.prefix_cache)
     # the KV cache is one pool of pages of page_size positions (dmtd.engine.kv_pages; with prefix caching, a divisor
     # of prefill_chunk: gcd(page_size, prefill_chunk)); a sequence holds the pages of the positions it has written.
@@ -227,6 +231,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.long_prefill_tokens < 0:
+            raise ConfigError(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
         if not (self.prefill_pace >= 0 and math.isfinite(self.prefill_pace)):
             raise ConfigError(f"prefill_pace must be a finite number >= 0, got {self.prefill_pace}")
         if self.max_num_seqs < 1:

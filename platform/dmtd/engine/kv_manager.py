@@ -122,6 +122,13 @@ class KVCacheManager:
         seq.num_prefilled = seq.num_cached_tokens = cached
         seq.prefill_end = max(seq.prefill_end, cached)
 
+    def chunks_ahead(self, seq: Sequence) -> list[bytes]:
+        """The keys of ``seq``'s whole prompt chunks from its next position to compute on (none without a prefix
+        cache)."""
+        if self.prefix is None or not seq.prefix_keys:
+            return []
+        return seq.prefix_keys[seq.num_prefilled // self.chunk: (seq.num_tokens - 1) // self.chunk]
+
     def publish(self, seq: Sequence) -> None:
         """``seq``'s whole prompt chunks prefilled so far become findable (their pages cached)."""
         if self.prefix is None:

@@ -50,7 +50,8 @@ class LLMEngine:
         self.scheduler = Scheduler(dmtd, self.cfg.max_num_seqs, self.cfg.max_model_len,
                                    self.cfg.max_prefill_tokens, self.cfg.align_phases, self.cfg.prefill_chunk,
                                    self.cfg.prefix_caching, self.runner.cache.pages,
-                                   self.runner.cache.page_size if self.rows_prefill else None)
+                                   self.runner.cache.page_size if self.rows_prefill else None,
+                                   self.cfg.long_prefill_tokens)
         self.pacer = PrefillPacer(self.cfg.prefill_pace)  # how much prompt a step takes while others decode
         self.default_tau = default_tau or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
@@ -175,6 +176,7 @@ class LLMEngine:
         t_step = time.perf_counter()
         sched = self.scheduler
         sched.free_split = self.rows_prefill
+        self.pacer.share(len(sched.prefilling) + len(sched.waiting), len(sched.running))
         sched.prefill_budget = self.pacer.budget() if sched.free_split else None
         sched.ride_budget = self.pacer.ride_budget()
         out = sched.schedule()

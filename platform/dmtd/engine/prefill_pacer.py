@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from collections import deque
 
-__all__ = ["ROW_KEYS", "PrefillPacer", "end_within", "prompt_cost"]
+__all__ = ["MAX_PACE", "ROW_KEYS", "PrefillPacer", "end_within", "prompt_cost"]
 
+# the most a step's pace rises while prompts wait (PrefillPacer.share): a stream's gap stays under ~1 + MAX_PACE steps
+MAX_PACE = 8.0
 # a prompt position's work beside its attention, in keys read: on two cores of the AMX Xeon (bf16, exact profile)
 # a position cost ~0.31 ms plus ~0.97 µs a key (4,096- and 1,024-token prompts prefilled alone)
 ROW_KEYS = 320
@@ -54,11 +56,20 @@ class PrefillPacer:
     """
 
     def __init__(self, pace: float, window: int = 32) -> None:
-        self.pace = pace
+        self.base_pace = pace
+        self.pace = pace  # this step's: base_pace, or more while more prompts wait than sequences decode (share)
         self.credit_ms = 0.0
         self.check_ms: float | None = None  # a check step's time without prompt rows (a moving average)
         self._rides: deque[tuple[float, float]] = deque(maxlen=window)  # prompt rows on checks: (keys, ms added)
         self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # paced prefill steps: (keys, ms)
+
+    def share(self, waiting: int, running: int) -> None:
+        """This step's pace from the load: at least ``base_pace``, and ``waiting / running`` where more prompts wait
+        for their first token than sequences decode — each request, waiting or decoding, gets a like share of the
+        machine (a lone stream beside one long prompt keeps ``1 + base_pace`` of its gap; beside three waiting
+        prompts it gives them three of its steps' time, at most ``MAX_PACE``)."""
+        if self.base_pace > 0:
+            self.pace = max(self.base_pace, min(waiting / max(running, 1), MAX_PACE))
 
     def observe_check(self, ms: float, ride_keys: float) -> None:
         """A step with a check pass: without prompt rows it sets the check step's time; with them, what the step

@@ -120,6 +120,7 @@ class Sequence:
     prefill_end: int = 0  # the current prefill step computes positions num_prefilled .. prefill_end - 1
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache, not computed
     prefix_keys: list[bytes] = field(default_factory=list)  # the prompt's whole chunks' keys (prefix cache)
+    queued_at: int = 0  # the scheduler's schedule() count when it was admitted (its prefill order ages from it)
     num_preempted: int = 0  # times its KV pages were taken back and it was queued to be prefilled again
     # after a preemption: the positions to compute again before it decodes on (all but the last token's, which the
     # next step feeds as it would have); 0: none (a fresh prompt is prefilled to its end)

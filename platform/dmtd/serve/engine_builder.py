@@ -45,7 +45,8 @@ class EngineBuilder:
                                                  device=device, dtype=dtype, quant=quant,
                                                  adaptive_drafts=s.drafts == "adaptive",
                                                  context_drafts=s.context_drafts, phrase_drafts=s.phrase_drafts,
-                                                 prefill_pace=s.prefill_pace))
+                                                 prefill_pace=s.prefill_pace,
+                                                 long_prefill_tokens=s.long_prefill_tokens))
         tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
         cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
                                rest_min_confidence=spec.min_confidence, itl_slo_ms=s.itl_slo_ms,

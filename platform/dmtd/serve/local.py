@@ -62,6 +62,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-pace", type=float, default=None,
                    help="a prompt's prefill time a step while others decode, in decode steps (default 1; 0: whole "
                         "chunks between decode steps)")
+    p.add_argument("--long-prefill-tokens", type=int, default=None,
+                   help="prompts up to this many tokens are prefilled whole at the next step while others decode, "
+                        "longer ones paced (default 2048; 0: every prompt paced)")
     p.add_argument("--max-queued", type=int, default=engine_default("max_queued"),
                    help="requests a replica holds waiting beyond --max-num-seqs before it refuses "
                    "(default %(default)s)")
@@ -216,6 +219,7 @@ def serve_args(args: argparse.Namespace, variant: str) -> ServeConfig:
         "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
         "kv_cache_gib": getattr(args, "kv_cache_gib", None), "max_queued": getattr(args, "max_queued", None),
         "prefill_pace": getattr(args, "prefill_pace", None),
+        "long_prefill_tokens": getattr(args, "long_prefill_tokens", None),
         "routing": getattr(args, "routing", None), "itl_slo_ms": args.itl_slo_ms, "metrics_port": metrics_port,
         "replica_metrics_port": metrics_port + 1,
         "trace_exporter": getattr(args, "trace_exporter", None), "otlp_endpoint": getattr(args, "otlp_endpoint", None),

@@ -71,6 +71,35 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The sum of v's 16 lanes as GCC's _mm512_reduce_add_ps takes it — a tree: lane i + lane i + 8, then + 4, then + 2,
+// then + 1 — written out, so that sum16x16 gives the same bits for 16 vectors at once whatever the compiler.
+inline float hsum16(__m512 v) {
+  const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                  _mm512_castps512_ps256(v));
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
+}
+
+// hsum16 of 16 vectors at once, its tree level by level across them (15 adds and 30 shuffles for the 16 sums, where
+// one at a time takes 4 adds and 4 shuffles each): lane i of the result is hsum16(v[4 · (i % 4) + i / 4]), bit for
+// bit — put vector i at that index (kSlot) and the sums come out in order.
+inline __m512 sum16x16(const __m512* v) {
+  __m512 s[8], t[4], u[2];
+  for (int k = 0; k < 8; ++k)  // lanes i + 8 → i: each half of s[k] one vector's 8 sums
+    s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  for (int k = 0; k < 4; ++k)  // + 4: each 128-bit lane one vector's 4 sums
+    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int k = 0; k < 2; ++k)  // + 2
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)),  // + 1
+                       _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)));
+}
+constexpr int kSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};  // key i of a block → its vector
+
 // std::max over x[0 .. n − 1] from −inf, 16 lanes at a time: a maximum does not depend on the order it is taken in,
 // and a NaN is skipped as std::max(m, NaN) skips it (the vector max returns its second operand, the running max).
 inline float max512(const float* x, int64_t n) {
@@ -129,7 +158,7 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
           const float* kt = kp + (t - t0) * hd;
           __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
           for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
-          sc[t] = _mm512_reduce_add_ps(a) * scale;
+          sc[t] = hsum16(a) * scale;
         }
       }
       const float inv = softmax512(sc, n);
@@ -235,18 +264,36 @@ inline void group512(const float* const* q, const int64_t* n, const Paged& kv, i
   __m512 qv[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) qv[j][c] = _mm512_loadu_ps(q[j] + 16 * c);
-  for (int64_t t0 = 0, pg = 0; t0 < nmax; t0 += P, ++pg) {
+  // scores 16 keys at a time: each key's 16 lane products per query are kept, then summed for the 16 keys at once
+  // (sum16x16: each sum's tree is hsum16's, so a score's bits are heads()'s)
+  __m512 part[G][16];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b < nmax; b += 16) {
+    const int64_t e = std::min(nmax, b + 16);
+    for (int j = 0; j < G; ++j)  // a query's last block: the slots of keys it does not read hold zeros
+      for (int64_t t = std::max(b, std::min(n[j], e)); t < b + 16; ++t) part[j][kSlot[t - b]] = _mm512_setzero_ps();
+    int64_t pg = b / P, off = b % P;
     const float* kp = kv.k + kv.pages[pg] * kv.ps;
-    for (int64_t t = t0, e = std::min(nmax, t0 + P); t < e; ++t) {
-      const float* kt = kp + (t - t0) * hd;
+    for (int64_t t = b; t < e; ++t, ++off) {
+      if (off == P) {
+        off = 0;
+        kp = kv.k + kv.pages[++pg] * kv.ps;
+      }
+      const float* kt = kp + off * hd;
       __m512 kk[C];
       for (int c = 0; c < C; ++c) kk[c] = _mm512_loadu_ps(kt + 16 * c);
       for (int j = 0; j < G; ++j) {
         if (t >= n[j]) continue;
         __m512 a = _mm512_mul_ps(qv[j][0], kk[0]);
         for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[j][c], kk[c], a);
-        sc[j * nmax + t] = _mm512_reduce_add_ps(a) * scale;
+        part[j][kSlot[t - b]] = a;
       }
+    }
+    for (int j = 0; j < G; ++j) {
+      if (b >= n[j]) continue;
+      const int64_t m = std::min<int64_t>(16, n[j] - b);
+      _mm512_mask_storeu_ps(sc + j * nmax + b, static_cast<__mmask16>((1u << m) - 1),
+                            _mm512_mul_ps(sum16x16(part[j]), sv));
     }
   }
   __m512 iv[G];
