@@ -116,3 +116,31 @@ def test_exact_tokens_are_the_base_models_alone_and_in_a_batch_of_16_mixed_reque
     mine = [r.token_ids for r, (_, q) in zip(got, batch) if q.exact and q.temperature == 0]
     assert len(mine) == len(ref) and mine == ref
     assert sum(r.num_accepted for r in got) > 0  # drafts were accepted, not only the verifier's own tokens
+
+
+def test_rows_that_arrive_apart_check_together_and_keep_the_base_models_tokens(engines):
+    """Exact requests added a step apart start their cycles out of phase; with ``align_checks`` (the default) the
+    rows still drafting join the check most rows make, so the batch runs fewer check passes than rows each checking
+    when due — and every request's tokens are the base model's either way."""
+    variant, base = engines
+    prompts = [[{"role": "user", "content": c}] for c in CHATS[:4]]
+    ref = [r.token_ids for r in base.generate(prompts, SamplingParams(max_new_tokens=24, tau=1))]
+    apart = build_engine(engine_spec(None, "smollm2-135m-dmtd", search_dirs=[SHIPPED_VARIANTS]),
+                         EngineConfig(max_num_seqs=10, max_model_len=512, align_checks=False))
+    checks, joined = {}, variant.num_joined_checks
+    for name, e in (("aligned", variant), ("apart", apart)):
+        e.pass_stats.clear()
+        params = SamplingParams(max_new_tokens=24, tau=4, exact=True, ignore_eos=True)
+        ids = []
+        for p in prompts:  # one arrival a step
+            ids.append(e.add_request(p, params))
+            e.step()
+        while e.has_unfinished():
+            e.step()
+        got = [e.seqs[r].token_ids[e.seqs[r].prompt_len:] for r in ids]
+        assert [g[: len(t)] for g, t in zip(got, ref)] == ref, name
+        checks[name] = e.pass_stats["verify"][0]
+        for r in ids:
+            e.release(r)
+    assert variant.num_joined_checks > joined and apart.num_joined_checks == 0
+    assert checks["aligned"] < checks["apart"]

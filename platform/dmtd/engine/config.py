@@ -215,6 +215,10 @@ class EngineConfig:
     # with adaptive_drafts: drafts run at a batch size only while they measured more tokens per row-second there
     # than plain base steps (dmtd.engine.draft_gate); off: the per-row policy alone decides
     batch_gate: bool = True
+    # exact profile: when most exact rows of a step check their drafts, the rest check theirs too (cut short, or a
+    # plain token where they have none yet): the check pass reads every weight anyway, and the rows' cycles go on in
+    # phase — one check pass a cycle for the batch, not one every step for whichever row is due
+    align_checks: bool = True
     # exact profile: the drafts' weights. "int8": int8 × int8 dot products (dmtd.engine.lowbit's i8dot, ~2x
     # faster than bf16 at one row); "none": the engine's own; "auto": int8 where this CPU has AVX512-VNNI or AVX2
     draft_quant: str = "auto"

@@ -63,6 +63,7 @@ class LLMEngine:
         self.shaper = LogitsShaper(tokenizer, model.config.vocab_size)  # penalties, logit bias, grammars, logprobs
         self.forks = Forks()  # requests that share a waiting sibling's prefill
         self.pass_stats: dict[str, list[float]] = {}  # kind -> [calls, seconds] of the model passes (benchmarks)
+        self.num_joined_checks = 0  # steps whose drafting exact rows joined the check most rows made (align_checks)
         if phrase_table is not None and phrase_table.vocab_size != model.config.vocab_size:
             raise ValueError(f"phrase_table: made for a vocabulary of {phrase_table.vocab_size}, the model has "
                              f"{model.config.vocab_size}")
@@ -232,6 +233,11 @@ class LLMEngine:
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
         checking = [s for s in out.decode if s.params.exact and s.draft_done]
+        if self.cfg.align_checks and checking and drafting and 2 * len(checking) >= len(checking) + len(drafting):
+            for s in drafting:  # the rest join the check most rows make: their cycles go on in phase with them
+                s.draft_done = True
+            checking, drafting = [s for s in out.decode if s.params.exact], []
+            self.num_joined_checks += 1
         results = self._sampled(SchedulerOutput(decode=plain), self.timed("decode", self.runner.decode, plain)[0],
                                 False) if plain else []
         if drafting:
