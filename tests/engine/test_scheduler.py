@@ -208,3 +208,20 @@ def test_prompts_admitted_together_start_together_where_a_dmtd_rows_phases_follo
     s.add(prompt("dmtd", range(5000, 5040)))  # its tokens depend on its phases: it starts with the rest
     out = s.schedule()
     assert sorted(q.req_id for q in out.prefill) == ["dmtd", "long"]
+
+
+def test_beside_decoding_short_prompts_after_the_first_come_as_the_budget_pays_for_them():
+    s = rows_scheduler(long_prefill_tokens=512)
+    s.add(prompt("stream", range(1, 9), max_new_tokens=100))
+    finish_prefill(s, s.schedule())
+    for i in range(4):  # four 100-token prompts arrive together: ~46k keys each
+        s.add(prompt(f"p{i}", range(1000 * (i + 1), 1000 * (i + 1) + 100)))
+    s.prefill_budget = 60_000.0
+    out = s.schedule()
+    assert [q.req_id for q in out.prefill] == ["p0"]  # the first whole beyond the budget, the next not within it
+    s.prefill_budget = 100_000.0
+    finish_prefill(s, out)
+    out = s.schedule()
+    if not out.prefill:  # (a decode step between two prefill steps)
+        out = s.schedule()
+    assert [q.req_id for q in out.prefill] == ["p1", "p2"]

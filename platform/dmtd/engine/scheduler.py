@@ -197,8 +197,11 @@ class Scheduler:
                         and self.last_prefill_keys + prompt_cost(seq.num_prefilled, target) > STEP_KEYS):
                     break  # a step holds one prompt, or short ones up to STEP_KEYS: it answers none of them before
                     # its end, so the first ones start while the rest go on
-                if paced and whole:  # a short prompt whole, now
+                if paced and whole:  # a short prompt whole, now: the first whatever its cost, more while they fit
+                    if out.prefill and prompt_cost(seq.num_prefilled, target) > keys:
+                        break
                     end = target
+                    keys -= prompt_cost(seq.num_prefilled, end)
                 elif paced:  # what fits the step's budget, anywhere (at least one position)
                     if out.prefill and prompt_cost(seq.num_prefilled, seq.num_prefilled + 1) > keys:
                         break
