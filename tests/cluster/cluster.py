@@ -4,6 +4,7 @@ podman bridge network of this test's private network namespace (each node its ow
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.error
@@ -58,6 +59,15 @@ class PodNetwork:
         podman("network", "rm", "-f", self.name, check=False)
         podman("network", "create", "--subnet", f"{self.subnet_prefix}.0/24", "--gateway", self.gateway, self.name)
         return self
+
+    @staticmethod
+    def remove_stale(prefix: str) -> None:
+        """Networks ``<prefix><pid>`` whose test process is gone (a run killed before its teardown): a later run
+        whose pid maps to the same subnet could not create its own."""
+        for name in podman("network", "ls", "--format", "{{.Name}}", check=False).split():
+            pid = name.removeprefix(prefix)
+            if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                podman("network", "rm", "-f", name, check=False)
 
     def remove(self) -> None:
         podman("network", "rm", "-f", self.name, check=False)

@@ -54,6 +54,7 @@ def network(serving_image: str) -> Iterator[PodNetwork]:
     # netavark makes the bridge when the first container joins it; servers of this namespace (Redis, Prometheus)
     # bind its gateway address before that
     subprocess.run(["sysctl", "-qw", "net.ipv4.ip_nonlocal_bind=1"], check=True)
+    PodNetwork.remove_stale("dmtd-cluster-")
     net = PodNetwork(f"dmtd-cluster-{os.getpid()}", f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}").create()
     yield net
     net.remove()
