@@ -125,3 +125,20 @@ def test_without_pacing_a_running_stream_meets_whole_chunks():
     _stream_with_arrivals(e, [{"role": "user", "content": CHATS[0]}], [_long_prompt(40)], [params, params])
     assert e.scheduler.num_rides == 0
     assert e.pass_stats["prefill"][0] >= 3  # the stream's prompt, then the long one in chunks
+
+
+def test_the_pace_rises_while_more_prompts_wait_than_sequences_decode():
+    from dmtd.engine.prefill_pacer import MAX_PACE, PrefillPacer
+
+    p = PrefillPacer(1.0)
+    p.share(waiting=1, running=3)
+    assert p.pace == 1.0  # fewer waiting than decoding: the configured pace
+    p.share(waiting=3, running=1)
+    assert p.pace == 3.0
+    p.share(waiting=100, running=1)
+    assert p.pace == MAX_PACE
+    p.check_ms = 10.0
+    assert p.ride_budget() > PrefillPacer(1.0).ride_budget()  # a larger pace buys more keys a check
+    off = PrefillPacer(0.0)
+    off.share(waiting=5, running=1)
+    assert off.pace == 0.0 and off.budget() is None  # no pacing stays no pacing

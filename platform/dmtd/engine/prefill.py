@@ -5,16 +5,11 @@ as its pass kinds."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from dmtd.engine.model import StepContext, route_decoding_input
 from dmtd.engine.runner_part import RunnerPart
 from dmtd.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    pass
 
 
 class Prefill(RunnerPart):

@@ -10,19 +10,11 @@ from dmtd.engine.config import DMTDConfig
 from dmtd.engine.draft_sources import TAILS
 from dmtd.engine.kv_manager import CapacityError, KVCacheManager
 from dmtd.engine.kv_pages import KVPages
-from dmtd.engine.prefill_pacer import end_within, prompt_cost
+from dmtd.engine.prefill_plan import PrefillPlanning
 from dmtd.engine.prefix_cache import PrefixCache
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
 __all__ = ["CapacityError", "Scheduler", "SchedulerOutput", "TokenEvent"]
-
-# A prefill step that takes prompts whole (nothing decodes, or short prompts beside decoding) takes one, or several
-# while together they are this much work at most (keys read, ~0.25 s on two cores: 16 chat prompts start together,
-# in phase; a system prompt of 1,000 tokens is a step of its own).
-STEP_KEYS = 1 << 18
-# A waiting prompt's age, in schedule() calls, that halves the work its order counts (_prefill_order).
-AGE_STEPS = 64
-
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -58,7 +50,7 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
-class Scheduler:
+class Scheduler(PrefillPlanning):
     """Admits and retires sequences at any step; one KV-cache row (``kv_row``: a row of the page table) per sequence
     from its admission, and the KV pages of the positions it writes (:mod:`dmtd.engine.kv_pages`).
 
@@ -72,7 +64,7 @@ class Scheduler:
     running streams for its whole prefill: where the prompt's split does not change its bits (``free_split``:
     prompts run as rows), a prefill step takes the positions whose work fits ``prefill_budget`` (keys read,
     :mod:`dmtd.engine.prefill_pacer`), else one chunk of ``prefill_chunk`` positions, boundaries at its multiples
-    from position 0. With a prefix cache, an admitted
+    from position 0; which prompts, in what order: :mod:`dmtd.engine.prefill_plan`. With a prefix cache, an admitted
     prompt's leading whole chunks published before are read from their pages, shared, instead of computed
     (:mod:`dmtd.engine.prefix_cache`).
     """
@@ -161,65 +153,9 @@ class Scheduler:
         carrier = exact and any(s.params.exact and s.draft_done for s in self.running)
         self.last_prefill_paced = paced and not exact
         keys = (self.ride_budget if carrier else self.prefill_budget) or 0.0
-        # a short prompt waits for no pacing credit (it still alternates with decode steps)
-        short_due = paced and (any(map(self._short, self.prefilling))
-                               or bool(self.waiting and self._short(self.waiting[0])))
         if (not (self.running and self._last_prefill and self.prefilling)
-                and not (paced and keys < 0 and not short_due) and not (exact and not carrier)):
-            C = self.prefill_chunk
-            budget = C if self.running else self.max_prefill_tokens
-            if self.free_split:  # every prompt that gets its pages now is admitted, then served in _prefill_order
-                while self.waiting and self.kv.fits(self.waiting[0], len(self.running) + len(self.prefilling)):
-                    if not self._admit(self.waiting.popleft(), out):
-                        break
-            queue = sorted(self.prefilling, key=self._prefill_order) if self.free_split else list(self.prefilling)
-            # prompts admitted together start decoding together where a dmtd-profile row's phases follow the shared
-            # clock (its tokens then are those it gets alone); exact rows' tokens do not depend on when they start
-            stagger = self.free_split and (not self.align_phases or all(q.params.exact for q in queue))
-            # prompt chunks another prompt is computing: those begun, and those planned in this step
-            claimed = {k for s in self.prefilling if s.num_prefilled > s.num_cached_tokens
-                       for k in self.kv.chunks_ahead(s)}
-            while budget > 0:
-                if queue:
-                    seq = queue.pop(0)
-                elif self.waiting and self.kv.fits(self.waiting[0], len(self.running) + len(self.prefilling)):
-                    seq = self.waiting.popleft()
-                    if not self._admit(seq, out):
-                        break
-                else:
-                    break
-                if self._computing_elsewhere(seq, claimed):
-                    continue  # its next chunk is another prompt's: it waits, then reads it (kv.reuse)
-                target = seq.resume_len or seq.num_tokens
-                left = target - seq.num_prefilled
-                whole = self.free_split and (not paced or self._short(seq))
-                if (whole and stagger and out.prefill
-                        and self.last_prefill_keys + prompt_cost(seq.num_prefilled, target) > STEP_KEYS):
-                    break  # a step holds one prompt, or short ones up to STEP_KEYS: it answers none of them before
-                    # its end, so the first ones start while the rest go on
-                if paced and whole:  # a short prompt whole, now: the first whatever its cost, more while they fit
-                    if out.prefill and prompt_cost(seq.num_prefilled, target) > keys:
-                        break
-                    end = target
-                    keys -= prompt_cost(seq.num_prefilled, end)
-                elif paced:  # what fits the step's budget, anywhere (at least one position)
-                    if out.prefill and prompt_cost(seq.num_prefilled, seq.num_prefilled + 1) > keys:
-                        break
-                    end = end_within(seq.num_prefilled, target, keys)
-                    keys -= prompt_cost(seq.num_prefilled, end)
-                    budget = 1 if keys > 0 else 0
-                elif left <= budget or self.free_split:
-                    end = seq.num_prefilled + min(left, budget)
-                else:
-                    end = seq.num_prefilled + budget // C * C
-                if end == seq.num_prefilled:
-                    break
-                self.kv.plan_prefill(seq, end)
-                self.last_prefill_keys += prompt_cost(seq.num_prefilled, end)
-                claimed.update(self.kv.chunks_ahead(seq))
-                if not paced:
-                    budget -= end - seq.num_prefilled
-                out.prefill.append(seq)
+                and not (paced and keys < 0 and not self._short_due(paced)) and not (exact and not carrier)):
+            self._plan_prefill(out, paced, keys)
         if carrier and out.prefill:
             out.ride, out.prefill = out.prefill, []
             self.num_rides += 1
@@ -230,28 +166,6 @@ class Scheduler:
             # a rider preempted for the decode's pages is queued again, its chunk not computed
             out.ride = [s for s in out.ride if s in self.prefilling]
         return out
-
-    def _prefill_order(self, seq: Sequence) -> float:
-        """Which admitted prompt a prefill step serves first, lowest first: the work left of it (keys read,
-        :func:`prompt_cost`) over one plus its age in steps / ``AGE_STEPS`` — the shortest first (a prompt whose
-        prefix is cached before one computed whole: the least mean time to first token), and none waits for ever
-        behind later short ones."""
-        self.kv.reuse(seq)  # chunks published since its admission count as done
-        left = prompt_cost(seq.num_prefilled, seq.resume_len or seq.num_tokens)
-        return left / (1.0 + (self.num_schedules - seq.queued_at) / AGE_STEPS)
-
-    def _short(self, seq: Sequence) -> bool:
-        """A prompt of at most ``long_prefill_tokens`` positions to compute: while others decode it is prefilled whole
-        at the next chance (a gap of its prefill in their streams), not paced beside them as a long one is."""
-        return 0 < (seq.resume_len or seq.num_tokens) <= self.long_prefill_tokens
-
-    def _computing_elsewhere(self, seq: Sequence, claimed: set[bytes]) -> bool:
-        """Whether ``seq`` has computed none of its prompt yet and its next chunk is one a prompt ahead of it is
-        computing (the same system prompt arriving twice): it waits and reads that chunk's pages instead."""
-        if seq.num_prefilled != seq.num_cached_tokens or seq.resume_len:
-            return False
-        ahead = self.kv.chunks_ahead(seq)
-        return bool(ahead) and ahead[0] in claimed
 
     def _reserve_decode(self) -> None:
         """Every running sequence's pages for what this step may write, oldest first; the newest are preempted
