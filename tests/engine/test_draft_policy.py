@@ -159,3 +159,18 @@ def test_a_fresh_engine_prices_a_tail_by_the_weight_bytes_it_reads():
         shares[dq] = r.draft_bytes_share()
         assert eng.cycles.pass_costs.tail_prior == pytest.approx(min(0.45, shares[dq] + TAIL_PASS_OVERHEAD))
     assert shares["int8"] < 0.5 * shares["none"]
+
+
+def test_the_batch_gate_measures_only_steps_where_a_row_could_draft():
+    """τ = 1 rows run the same steps with drafts allowed or not: counted as windows with drafts, a replica's
+    τ = 1 traffic read plain steps as drafts' goodput, and the exact default then drafted at batch 16 at 0.6×."""
+    base = base_model(1, 0.0)
+    prompts = prompts_of([5, 9, 13, 4], 1)
+    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True,
+                                                   draft_quant="none"), default_tau=1, eos_token_ids=[])
+    ref = eng.generate(prompts, SamplingParams(max_new_tokens=24, tau=1, exact=True))
+    gate = eng.cycles.draft_gate
+    assert gate.decisions == {} and gate.buckets == {}  # four rows at τ = 1: no window opened
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=24, tau=4, exact=True))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert sum(gate.decisions.values()) > 0 and 4 in gate.buckets  # rows that could draft: windows are measured

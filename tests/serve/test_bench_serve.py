@@ -104,7 +104,39 @@ def test_the_in_process_engine_shows_its_controller_the_load_a_replica_would(smo
             return super().observe_load(queue_depth, batch_size)
 
     ctl = Recording(cfg)
-    res, _ = engine_closed_loop(engine, cfg, (0, 0), 1, 3, 4, PROMPTS, ctl)
+    res, _ = engine_closed_loop(engine, cfg, (0, 0, ""), 1, 3, 4, PROMPTS, ctl)
     assert [r["tokens"] for r in res] == [4, 4, 4]
     assert loads and all(q == 0 and running <= 1 for q, running in loads)
     assert ctl.decision.min_confidence == 0.5 and ctl.decision.tau == 3  # the rest point: no pressure seen
+
+
+def test_the_in_process_engine_runs_the_profile_a_replica_would(smollm2):
+    """A request that names no profile runs the variant's default there (the exact profile for the shipped
+    variant): the in-process side of ``--compare-engine`` must run it too. It ran the unverified DMTD profile, and
+    the stack (exact) read 0.68 of an engine doing other work. The ``dmtd`` and ``exact`` policies name theirs."""
+    from dmtd.engine.config import DMTDConfig, EngineConfig
+    from dmtd.engine.llm import LLMEngine
+    from dmtd.serve.bench import POLICIES, PROMPTS
+    from dmtd.serve.controller import ControllerConfig, TauController
+    from dmtd.serve.engine_compare import engine_closed_loop
+
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
+                       EngineConfig(max_num_seqs=2, max_model_len=256), default_tau=1)
+    seen: list[bool] = []
+    add = engine.add_request
+
+    def recording(prompt, params, **kw):  # type: ignore[no-untyped-def]
+        seen.append(params.exact)
+        return add(prompt, params, **kw)
+
+    engine.add_request = recording  # type: ignore[method-assign]
+    ran = {}
+    for default in ("exact", "dmtd"):
+        cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=3, max_batch=2, itl_slo_ms=60e3, default_profile=default)
+        for policy in ("adaptive", "exact", "dmtd"):
+            seen.clear()
+            res, _ = engine_closed_loop(engine, cfg, POLICIES[policy], 2, 1, 3, PROMPTS, TauController(cfg))
+            assert [r["tokens"] for r in res] == [3, 3]
+            ran[default, policy] = set(seen)
+    assert ran == {("exact", "adaptive"): {True}, ("exact", "exact"): {True}, ("exact", "dmtd"): {False},
+                   ("dmtd", "adaptive"): {False}, ("dmtd", "exact"): {True}, ("dmtd", "dmtd"): {False}}

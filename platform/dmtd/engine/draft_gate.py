@@ -1,5 +1,5 @@
-"""Whether drafts may run at all at the batch's size: the tokens a row gets per second, measured over windows of
-steps with drafts and windows without, per batch size.
+"""Whether drafts may run at all at the batch's size: the tokens a row gets per second in a window of steps with
+drafts against the window of plain steps beside it, per batch size.
 
 The draft policy (:mod:`dmtd.engine.draft_policy`) prices one row's drafts from per-pass costs. In a batch that is
 not enough: rows out of phase split every step into a draft pass and a check pass, each reading all the weights,
@@ -7,21 +7,41 @@ and a check of half the rows costs about what a check of all of them does. Measu
 per-row policy drafted every other step on every row and the batch decoded 0.55× the base alone. vLLM's dynamic
 speculative decoding answers the same question the same way, by goodput at the batch size. Here the answer is
 measured, not modelled: windows of ``WINDOW`` steps run with drafts (the policy's choices) or as plain base steps,
-and each window's tokens per row-second are kept per batch size. The better mode runs; the other is tried again
-after a doubling number of windows (8, 16, …), so a lost bet costs a few per cent of the steps. A batch size
-never measured takes the verdict of its neighbours where they imply one (drafts that lost at a smaller batch lose
-at a larger one: a wider batch only makes the weights' reads cheaper per row, the drafts' cost stays), else it
-measures both. One sequence alone always drafts: its per-row costs are the batch's. Torch-free.
+and a window of one mode between two windows of the other (at the same batch size) gives one reading of drafts'
+goodput ÷ plain goodput. Readings are sandwiched because the machine's speed drifts: on the 2-core machines here by
+±30 % over seconds, and a drafts window compared with a plain goodput measured seconds earlier read a loss of 0.5×
+as a win (the exact default then drafted at batch 16 at 0.6× the base alone). The verdict is the median of the
+last ``READINGS`` readings, so one window that ran in a fast or slow moment does not turn it: a first measurement
+alternates the modes until two readings agree (or a third decides), and a retry whose reading disagrees with the
+verdict is confirmed by another at once.
+
+The better mode runs; the other is tried again after a number of windows priced by how much it lost, doubling from
+there: a retry's window costs the share of a window the loser lost (1 − the ratio, the catch-up of a tail path that
+fell behind included), and the windows before it are as many as keep that under ``RETRY_BUDGET`` of the steps (at
+least 8; drafts at half the plain rate are retried after 50 windows, then 100, …). A batch size never measured
+takes the verdict of its neighbours where they imply one (drafts that lost at a smaller batch lose at a larger one:
+a wider batch only makes the weights' reads cheaper per row, the drafts' cost stays), else it measures. Only steps
+where some row could draft count (``LLMEngine`` skips the gate on the others: τ = 1 rows and unverified ones run
+the same steps in either mode). One sequence alone always drafts: its per-row costs are the batch's. Torch-free.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 
 WINDOW = 4  # steps per measured window
-FIRST_RETRY = 8  # windows before the losing mode is measured again (then 16, 32, … up to MAX_RETRY)
+FIRST_RETRY = 8  # the fewest windows before the losing mode is measured again (then twice as many, … up to MAX_RETRY)
 MAX_RETRY = 256
-DECAY = 0.5  # weight of the older goodput when a window follows one of the same mode (else it replaces it)
+RETRY_BUDGET = 0.01  # the share of the steps a verdict's first retry may cost, at the loser's measured loss
+READINGS = 3  # the readings a verdict is the median of
+
+
+def first_retry(ratio: float) -> int:
+    """Windows of the winner before the loser, which measured ``ratio`` of its goodput, is measured again: a retry
+    window loses ``1 − ratio`` of a window, kept under ``RETRY_BUDGET`` of the windows it follows."""
+    return min(MAX_RETRY, max(FIRST_RETRY, math.ceil((1 - ratio) / RETRY_BUDGET)))
 
 
 def bucket(batch: int) -> int:
@@ -31,12 +51,47 @@ def bucket(batch: int) -> int:
 
 @dataclass(slots=True)
 class _Bucket:
-    goodput: dict[bool, float] = field(default_factory=dict)  # drafts on / off → tokens per row-second
+    goodput: dict[bool, float] = field(default_factory=dict)  # drafts on / off → the latest window's tokens/row-s
+    windows: list[tuple[bool, float]] = field(default_factory=list)  # the last three windows: (mode, goodput)
+    readings: list[float] = field(default_factory=list)  # drafts ÷ plain, one per window between two of the other
     retry: int = FIRST_RETRY  # windows of the winning mode before the other is measured again
     since: int = 0  # windows of the winning mode since the other was last measured
     implied: bool | None = None  # the neighbours' verdict, where the bucket was first met after them
+    implied_ratio: float = 1.0  # that neighbour's ratio (prices the first retry)
     last: bool | None = None  # the mode of the bucket's latest window
     winner: bool | None = None
+    retrying: bool = False  # a retry's window ran: the next reading is the retry's
+    confirm: bool = False  # the latest retry's reading disagreed with the verdict: measure the loser once more
+
+    @property
+    def ratio(self) -> float | None:
+        """Drafts' goodput ÷ plain goodput: the median of the readings (None before the first)."""
+        if not self.readings:
+            return None
+        logs = sorted(math.log(r) for r in self.readings)
+        return math.exp(statistics.median(logs))
+
+    def settled(self) -> bool:
+        """Two readings that agree on the winner, or three."""
+        r = self.readings
+        return len(r) >= READINGS or (len(r) == 2 and (r[0] > 1) == (r[1] > 1))
+
+    def add(self, mode: bool, goodput: float) -> float | None:
+        """Keep a window; returns the reading it completes (its predecessor between it and the one before)."""
+        self.goodput[mode] = goodput
+        w = self.windows = [*self.windows[-2:], (mode, goodput)]
+        if len(w) < 3 or not (w[0][0] == w[2][0] != w[1][0]) or min(g for _, g in w) <= 0:
+            return None
+        around = math.sqrt(w[0][1] * w[2][1])
+        reading = w[1][1] / around if w[1][0] else around / w[1][1]
+        self.readings = [*self.readings[-(READINGS - 1):], reading]
+        return reading
+
+    def loss(self) -> float:
+        """The losing mode's goodput ÷ the winning one's (≤ 1): measured here where a reading is, else the
+        neighbour's."""
+        r = self.ratio if self.ratio is not None else self.implied_ratio
+        return min(r, 1 / r) if r > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -82,48 +137,54 @@ class DraftGate:
             self._close()
 
     def _close(self) -> None:
-        """Fold the current window's goodput into its bucket (a window cut short counts if it ran a step)."""
+        """Keep the current window's goodput (a window cut short counts if it ran a step)."""
         if self._row_seconds > 0 and self._key > 1:
             b = self.buckets.setdefault(self._key, _Bucket())
-            g = self._tokens / self._row_seconds
-            old = b.goodput.get(self.mode) if b.last == self.mode else None  # a retry's window replaces
-            b.goodput[self.mode] = g if old is None else DECAY * old + (1 - DECAY) * g
+            reading = b.add(self.mode, self._tokens / self._row_seconds)
+            if reading is not None and b.retrying:  # a retry that disagrees is measured once more at once
+                b.confirm = (reading > 1) != b.winner and not b.confirm
+                b.retrying = b.confirm
             b.last = self.mode
         self._tokens, self._row_seconds, self._left = 0, 0.0, 0
 
     def _decide(self, key: int) -> tuple[bool, str]:
         b = self.buckets.setdefault(key, _Bucket())
-        on, off = b.goodput.get(True), b.goodput.get(False)
-        if on is not None and off is not None:
-            return self._winner_or_retry(b, on > off)
-        if on is None and off is None:
-            b.implied = self._implied(key)
-            if b.implied is None:
-                return False, "measure plain"
-            return b.implied, "neighbour"
-        known = on is not None
-        if b.implied == known:  # the neighbours' verdict runs until its retry measures the other mode
-            return self._winner_or_retry(b, known)
-        return not known, "measure plain" if known else "measure drafts"
+        if b.readings and b.settled():
+            if b.confirm and b.last == b.winner:
+                b.retrying = True
+                return not b.winner, "confirm"
+            return self._winner_or_retry(b, b.ratio is not None and b.ratio > 1)
+        if b.last is None and b.implied is None:
+            b.implied, b.implied_ratio = self._implied(key)
+            if b.implied is not None:
+                b.winner, b.retry, b.since = b.implied, first_retry(b.loss()), 0
+                return b.implied, "neighbour"
+        if b.implied is not None and not b.readings and (b.last is None or b.last == b.implied):
+            return self._winner_or_retry(b, b.implied)  # the neighbours' verdict runs until its retry measures
+        if b.last is None:
+            return False, "measure plain"
+        return not b.last, "measure plain" if b.last else "measure drafts"  # alternate until the readings settle
 
     def _winner_or_retry(self, b: _Bucket, winner: bool) -> tuple[bool, str]:
-        if winner != b.winner:  # a new verdict: the other mode is retried soon again
-            b.winner, b.retry, b.since = winner, FIRST_RETRY, 0
+        if winner != b.winner:  # a new verdict: the other mode is retried as soon as its loss affords
+            b.winner, b.retry, b.since = winner, first_retry(b.loss()), 0
         b.since += 1
         if b.since > b.retry:
             b.since = 0
             b.retry = min(2 * b.retry, MAX_RETRY)
+            b.retrying = True
             return not winner, "retry"
         return winner, "drafts pay" if winner else "plain pays"
 
-    def _implied(self, key: int) -> bool | None:
-        """Plain where drafts lost at a smaller batch size; drafts where they won at a larger one."""
+    def _implied(self, key: int) -> tuple[bool | None, float]:
+        """Plain where drafts lost at a smaller batch size; drafts where they won at a larger one (with that
+        size's ratio, which prices the first retry)."""
         for k, b in self.buckets.items():
-            on, off = b.goodput.get(True), b.goodput.get(False)
-            if not on or not off:
+            r = b.ratio
+            if r is None or not b.settled():
                 continue
-            if k < key and on < off:
-                return False
-            if k > key and on > off:
-                return True
-        return None
+            if k < key and r < 1:
+                return False, r
+            if k > key and r > 1:
+                return True, r
+        return None, 1.0

@@ -228,6 +228,11 @@ class LLMEngine:
         bookkeeping): each draft is a step of its own, and a policy that counted the pass alone drafted where the
         steps' ~5 % more made a second draft not pay."""
         gate = self.cycles.draft_gate if self.cfg.adaptive_drafts and self.cfg.batch_gate else None
+        if gate is not None and not any(s.params.exact and s.tau > 1 for s in out.decode):
+            # no row could draft (τ = 1, or the unverified profile): the step is the same in either mode, and
+            # counted as a window with drafts it read plain steps as drafts' goodput (a replica's τ = 1 traffic
+            # made drafts "pay" at batch 16, and the exact default then ran windows of drafts at 0.5x)
+            gate = None
         if gate is not None:
             gate.begin_step(len(out.decode))
         plain = [s for s in out.decode if not s.params.exact]

@@ -24,7 +24,10 @@ from dmtd.serve.bench_stages import collect_stages, cpu_per_token, cpu_snapshot
 from dmtd.serve.vllm_anchor import AGAINST
 from dmtd_contract.stats import percentile
 
-POLICIES = {"tau1": (1, 1), "tau3": (3, 3), "adaptive": (0, 0)}
+# τ bounds (0: the controller's) and the profile a policy's requests name ("": the variant's default, the exact
+# profile for the shipped variant; "adaptive" is the proto's name of the unverified DMTD profile)
+POLICIES = {"tau1": (1, 1, ""), "tau3": (3, 3, ""), "adaptive": (0, 0, ""), "exact": (0, 0, "exact"),
+            "dmtd": (0, 0, "adaptive")}
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
            "List five tips for learning a new language.", "Describe the water cycle.",
            "What are the benefits of regular exercise?", "Write a poem about the sea.",
@@ -39,7 +42,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--rate", type=float, default=0.0, help="open-loop Poisson arrivals per second (0 = skip)")
     p.add_argument("--open-requests", type=int, default=24, help="requests per open-loop run")
-    p.add_argument("--policies", default="tau1,tau3,adaptive")
+    p.add_argument("--policies", default="tau1,tau3,adaptive",
+                   help="of tau1, tau3, adaptive (the controller's τ, the variant's default profile), exact, dmtd "
+                        "(the controller's τ, the unverified DMTD profile)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--requests-per-worker", type=int, default=3)
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
@@ -78,9 +83,9 @@ def _record(t0: float, arrivals: list[tuple[float, int]]) -> dict[str, Any]:
 
 
 def _request_kwargs(i: int, policy: str, max_new: int, request_id: str) -> dict[str, Any]:
-    lo, hi = POLICIES[policy]
+    lo, hi, profile = POLICIES[policy]
     return {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_new_tokens": max_new,
-            "ignore_eos": True, "tau_min": lo, "tau_max": hi, "request_id": request_id}
+            "ignore_eos": True, "tau_min": lo, "tau_max": hi, "profile": profile, "request_id": request_id}
 
 
 def one_request(target: Any, i: int, policy: str, max_new: int, request_id: str = "") -> dict[str, Any]:

@@ -45,17 +45,21 @@ def _bounds(cfg: ControllerConfig, lo: int, hi: int) -> tuple[int, int]:
     return a, b
 
 
-def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tuple[int, int], n: int,
+def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, policy: tuple[int, int, str], n: int,
                        per_worker: int, max_new: int, prompts: list[str], ctl: TauController | None = None
                        ) -> tuple[list[dict[str, Any]], float]:
     """N workers × ``per_worker`` chat requests of ``max_new`` tokens (``ignore_eos``), prompts as the serve
-    bench picks them (worker w's j-th request asks ``prompts[(100 w + j) % len]``). Returns per-request
-    records shaped like ``bench.one_request``'s and the run's wall time.
+    bench picks them (worker w's j-th request asks ``prompts[(100 w + j) % len]``), with ``policy``'s τ bounds
+    (0: the controller's) and profile ("": the variant's default, resolved as the replica resolves it: a bench that
+    sent the stack's requests in the exact profile and the engine's in the unverified one had compared two
+    different workloads). Returns per-request records shaped like ``bench.one_request``'s and the run's wall
+    time.
 
     ``ctl``: the controller to drive and feed; pass the same one to every run of a bench, as a replica's one
     controller sees every request it serves (fixed-τ ones too), so that both sides carry the same history."""
     ctl = ctl if ctl is not None else TauController(cfg)
-    lo, hi = _bounds(cfg, *tau_bounds)
+    lo, hi = _bounds(cfg, *policy[:2])
+    exact = cfg.profile_of(policy[2]) == "exact"  # as the replica resolves a request's profile
     live: dict[str, _Req] = {}
     results: list[dict[str, Any]] = []
 
@@ -66,7 +70,7 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, tau_bounds: tup
         rid = f"w{w}-{j}"
         live[rid] = _Req(w, j, (lo, hi), time.perf_counter())
         engine.add_request([{"role": "user", "content": prompts[i % len(prompts)]}],
-                           SamplingParams(max_new_tokens=max_new, ignore_eos=True, tau=tau,
+                           SamplingParams(max_new_tokens=max_new, ignore_eos=True, tau=tau, exact=exact,
                                           min_confidence=d.min_confidence), req_id=rid)
 
     t_start = time.perf_counter()
