@@ -118,23 +118,25 @@ def test_exact_tokens_are_the_base_models_alone_and_in_a_batch_of_16_mixed_reque
     assert sum(r.num_accepted for r in got) > 0  # drafts were accepted, not only the verifier's own tokens
 
 
-def test_rows_that_arrive_apart_check_together_and_keep_the_base_models_tokens(engines):
-    """Exact requests added a step apart start their cycles out of phase; with ``align_checks`` (the default) the
-    rows still drafting join the check most rows make, so the batch runs fewer check passes than rows each checking
-    when due — and every request's tokens are the base model's either way."""
+def arrivals_against_unaligned(engines, prompts, groups, tau, new_tokens, arrive):
+    """Run ``prompts`` as exact requests at ``tau`` on the aligned engine and on one with ``align_checks`` off, the
+    groups of prompts (sizes ``groups``) added as ``arrive(engine, ids)`` lets them; every request's tokens must
+    be the base model's. Returns the check passes each engine ran."""
     variant, base = engines
-    prompts = [[{"role": "user", "content": c}] for c in CHATS[:4]]
-    ref = [r.token_ids for r in base.generate(prompts, SamplingParams(max_new_tokens=24, tau=1))]
+    ref = [r.token_ids for r in base.generate(prompts, SamplingParams(max_new_tokens=new_tokens, tau=1))]
     apart = build_engine(engine_spec(None, "smollm2-135m-dmtd", search_dirs=[SHIPPED_VARIANTS]),
                          EngineConfig(max_num_seqs=10, max_model_len=512, align_checks=False))
-    checks, joined = {}, variant.num_joined_checks
+    checks = {}
     for name, e in (("aligned", variant), ("apart", apart)):
         e.pass_stats.clear()
-        params = SamplingParams(max_new_tokens=24, tau=4, exact=True, ignore_eos=True)
-        ids = []
-        for p in prompts:  # one arrival a step
-            ids.append(e.add_request(p, params))
-            e.step()
+        params = SamplingParams(max_new_tokens=new_tokens, tau=tau, exact=True, ignore_eos=True)
+        ids: list[str] = []
+        at = 0
+        for n in groups:
+            new = [e.add_request(p, params) for p in prompts[at: at + n]]
+            at += n
+            arrive(e, new)
+            ids += new
         while e.has_unfinished():
             e.step()
         got = [e.seqs[r].token_ids[e.seqs[r].prompt_len:] for r in ids]
@@ -142,5 +144,32 @@ def test_rows_that_arrive_apart_check_together_and_keep_the_base_models_tokens(e
         checks[name] = e.pass_stats["verify"][0]
         for r in ids:
             e.release(r)
-    assert variant.num_joined_checks > joined and apart.num_joined_checks == 0
+    assert apart.num_joined_checks == 0
+    return checks
+
+
+def test_rows_that_arrive_apart_check_together_and_keep_the_base_models_tokens(engines):
+    """Exact requests added a step apart start their cycles out of phase; with ``align_checks`` (the default) the
+    rows still drafting join the check most rows make, so the batch runs fewer check passes than rows each checking
+    when due — and every request's tokens are the base model's either way."""
+    joined = engines[0].num_joined_checks
+    prompts = [[{"role": "user", "content": c}] for c in CHATS[:4]]
+    checks = arrivals_against_unaligned(engines, prompts, [1, 1, 1, 1], 4, 24, lambda e, ids: e.step())
+    assert engines[0].num_joined_checks > joined
     assert checks["aligned"] < checks["apart"]
+
+
+def test_rows_spread_evenly_over_a_cycles_phases_come_into_phase(engines):
+    """Six exact requests at τ = 3 added so that two start each phase of a cycle: no step has half the rows checking,
+    and before the plurality rule each step ran a draft pass and a check pass for the whole run. Now the rows
+    still drafting join the largest group's check, the run needs fewer check passes than with ``align_checks``
+    off, and every request's tokens are still the base model's."""
+
+    def decode_then_one_more(e, ids):  # the group's first tokens, then a decode step before the next group
+        while any(len(e.seqs[r].token_ids) <= e.seqs[r].prompt_len for r in ids):
+            e.step()
+        e.step()
+
+    prompts = [[{"role": "user", "content": c}] for c in CHATS[:6]]
+    checks = arrivals_against_unaligned(engines, prompts, [2, 2, 2], 3, 30, decode_then_one_more)
+    assert checks["aligned"] < 0.6 * checks["apart"]  # measured: 23 against 57 (every step one check apart)
