@@ -68,8 +68,7 @@ class _Bucket:
         """Drafts' goodput ÷ plain goodput: the median of the readings (None before the first)."""
         if not self.readings:
             return None
-        logs = sorted(math.log(r) for r in self.readings)
-        return math.exp(statistics.median(logs))
+        return math.exp(statistics.median(math.log(r) for r in self.readings))
 
     def settled(self) -> bool:
         """Two readings that agree on the winner, or three."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceT
 from typing import Any
@@ -268,18 +269,13 @@ class LLMEngine:
         return results
 
     def _join_checks(self, checking: list[Sequence], drafting: list[Sequence]) -> bool:
-        """With ``align_checks``: whether the rows still drafting join this step's check — when the checking rows
-        are at least half of the exact rows, or at least as many as any group of drafting rows due to check on one
-        later step. Rows spread evenly over the phases of a cycle (a fixed τ = 3 at batch 16 through the stack: 6, 5
-        and 5 rows) never made half, and each step ran a draft pass and a check pass for ever."""
+        """With ``align_checks``: whether the rows still drafting join this step's check — when the checking rows are
+        at least as many as any group of drafting rows due to check on one later step (so always where they are half
+        of the exact rows). Rows spread evenly over the phases of a cycle (a fixed τ = 3 at batch 16 through the
+        stack: 6, 5 and 5 rows) never made half, and each step ran a draft pass and a check pass for ever."""
         if not (self.cfg.align_checks and checking and drafting):
             return False
-        if 2 * len(checking) >= len(checking) + len(drafting):
-            return True
-        due: dict[int, int] = {}
-        for s in drafting:
-            k = s.max_drafts(self.cfg.max_model_len) - len(s.drafts)
-            due[k] = due.get(k, 0) + 1
+        due = Counter(s.max_drafts(self.cfg.max_model_len) - len(s.drafts) for s in drafting)
         return len(checking) >= max(due.values())
 
     def timed(self, kind: str, run: Callable[[list[Sequence]], torch.Tensor],
