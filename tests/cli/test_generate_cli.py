@@ -169,6 +169,9 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
     assert {(row["batch"], row["system"]) for row in exact["rows"]} == want
     for row in exact["rows"]:
         assert row["tok_s"] > 0 and 0 < row["pct_of_bound"] <= 1.0 and row["check_cost"] > 0
+        assert len(row["tok_s_rounds"]) == 1 and row["paired_vs_tau1"] > 0  # one round: its own ratio
+        if row["system"] == "exact1":
+            assert row["paired_vs_tau1"] == 1.0
         if row["system"] == "exact2":
             assert row["acceptance"] is not None and 0 <= row["acceptance"] <= 1 and row["tail_cost"] > 0
     systems = {(row["batch"], row["precision"], row["system"]) for row in data["rows"]}

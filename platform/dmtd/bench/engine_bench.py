@@ -223,10 +223,12 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     # bench (±10 % between runs a minute apart here) then reaches every configuration alike, where repeats back to
     # back gave the configurations run last a slower or faster machine than the base they are divided by
     best: dict[int, dict[str, Any]] = {}
+    rounds: dict[int, list[float]] = {i: [] for i in range(len(jobs))}  # each round's tok/s, for paired ratios
     with tqdm(total=len(jobs) * max(1, args.repeats), desc="bench engine (exact)", unit="run") as bar:
         for _ in range(max(1, args.repeats)):
             for i, (b, tau, adaptive, dq) in enumerate(jobs):
                 r = run_exact((autos if adaptive else engines)[dq], b, tau, threshold, args.new_tokens, 1)
+                rounds[i].append(r["tok_s"])
                 if i not in best or r["tok_s"] > best[i]["tok_s"]:
                     best[i] = r
                 bar.update()
@@ -234,7 +236,7 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
         e = (autos if adaptive else engines)[dq]
         label = (f"auto{tau}" if adaptive else f"exact{tau}") + (f":{dq}" if len(dqs) > 1 and tau > 1 else "")
         rows.append({"batch": b, "system": label, "tau": tau, "adaptive_drafts": adaptive,
-                     "draft_format": e.runner.draft_format or "engine", **best[i]})
+                     "draft_format": e.runner.draft_format or "engine", **best[i], "tok_s_rounds": rounds[i]})
     add_exact_ratios(rows)
     engine = engines[dqs[0]]
     return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None,
@@ -244,12 +246,13 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
 def print_exact_table(exact: dict[str, Any]) -> None:
     v = exact["variant"]
     print(f"\nexact profile on {v['name']} (verifier: {v['verifier']}; chat prompts, greedy; output = τ = 1's)")
-    print(f"{'batch':>5} {'system':>12} {'tok/s':>8} {'×τ=1':>6} {'bound×':>7} {'of bound':>9} {'accept':>7} "
-          f"{'acc/cyc':>7} {'tail c':>7} {'check c':>7}")
+    print(f"{'batch':>5} {'system':>12} {'tok/s':>8} {'×τ=1':>6} {'paired':>6} {'bound×':>7} {'of bound':>9} "
+          f"{'accept':>7} {'acc/cyc':>7} {'tail c':>7} {'check c':>7}")
     for r in exact["rows"]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         tail = f"{r['tail_cost']:.2f}" if r["tail_cost"] is not None else "-"
-        print(f"{r['batch']:>5} {r['system']:>12} {r['tok_s']:>8.1f} {r['speedup_vs_tau1']:>6.2f} "
+        paired = f"{r['paired_vs_tau1']:.2f}" if r.get("paired_vs_tau1") is not None else "-"
+        print(f"{r['batch']:>5} {r['system']:>12} {r['tok_s']:>8.1f} {r['speedup_vs_tau1']:>6.2f} {paired:>6} "
               f"{r['bound_speedup']:>7.2f} {100 * r['pct_of_bound']:>8.0f}% {acc:>7} {r['accepted_per_cycle']:>7.2f} "
               f"{tail:>7} {r['check_cost']:>7.2f}")
 
