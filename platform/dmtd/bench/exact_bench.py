@@ -72,8 +72,7 @@ def add_exact_ratios(rows: list[dict[str, Any]]) -> None:
         # the median of each round's ratio to the same round's τ = 1 (rounds run every configuration once): on a
         # host whose speed drifts by ±20 % between runs, the best of a few runs each still read an identical plain
         # step 0.92x; the pairs cancel the drift
-        pairs = [x / y for x, y in zip(r.get("tok_s_rounds", []), base.get("tok_s_rounds", [])) if y > 0]
-        r["paired_vs_tau1"] = statistics.median(pairs) if pairs else None
+        r["paired_vs_tau1"] = statistics.median(x / y for x, y in zip(r["tok_s_rounds"], base["tok_s_rounds"]))
         r["bound_speedup"] = r["bound_tok_s"] / base["bound_tok_s"]
         step = base["verify_s_per_call"]  # one τ = 1 step of the verifier at this batch
         r["tail_cost"] = r["draft_s_per_call"] / step if r["tau"] > 1 else None
