@@ -173,6 +173,8 @@ def test_bench_engine_writes_json_and_png(tmp_path: Path):
         assert len(row["tok_s_rounds"]) == 1 and row["paired_vs_tau1"] == pytest.approx(row["speedup_vs_tau1"])
         if row["system"] == "exact1":
             assert row["paired_vs_tau1"] == 1.0
+        # the batch gate runs windows only for the adaptive default at batch > 1 (one sequence always drafts)
+        assert bool(row["gate_windows"]) == (row["system"] == "auto4" and row["batch"] == 2), row
         if row["system"] == "exact2":
             assert row["acceptance"] is not None and 0 <= row["acceptance"] <= 1 and row["tail_cost"] > 0
     systems = {(row["batch"], row["precision"], row["system"]) for row in data["rows"]}

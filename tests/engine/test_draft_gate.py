@@ -3,7 +3,15 @@ row-second than the plain windows around them (torch-free; goodputs are given, n
 
 from __future__ import annotations
 
-from dmtd.engine.draft_gate import FIRST_RETRY, RETRY_BUDGET, WINDOW, DraftGate, bucket, first_retry
+from dmtd.engine.draft_gate import (
+    FIRST_RETRY,
+    MAX_WINDOW,
+    RETRY_BUDGET,
+    WINDOW,
+    DraftGate,
+    bucket,
+    first_retry,
+)
 
 
 def run_window(gate: DraftGate, batch: int, goodput: dict[bool, float]) -> bool:
@@ -110,3 +118,30 @@ def test_a_window_cut_by_a_new_batch_size_still_counts():
     gate.observe(16, 16, 0.01)
     gate.begin_step(3)  # rows finished: the window at 16 closes with its one step
     assert gate.buckets[16].goodput[False] > 0
+
+
+def test_a_window_of_drafts_ends_on_the_step_that_checks_its_drafts():
+    """A window of drafts runs past WINDOW steps while rows hold drafts not yet checked (their tokens belong to it),
+    up to MAX_WINDOW; a plain window ends after WINDOW steps. ``switched`` marks the step that changed the mode."""
+    gate = DraftGate()
+    assert gate.begin_step(16) is False and gate.switched  # the first measurement, plain (drafts before)
+    for i in range(WINDOW):
+        assert gate.begin_step(16) is False and (not gate.switched or i == 0)
+        gate.observe(16, 16, 0.01, settled=True)
+    assert gate.begin_step(16) is True and gate.switched
+    gate.observe(16, 0, 0.01, settled=False)
+    for _ in range(WINDOW + 2):  # the rows draft on: no check yet
+        assert gate.begin_step(16) is True and not gate.switched
+        gate.observe(16, 0, 0.01, settled=False)
+    gate.begin_step(16)
+    gate.observe(16, 64, 0.01, settled=True)  # the check: the window closes with its drafts' tokens
+    assert gate.buckets[16].goodput[True] == 64 / (16 * 0.01 * (WINDOW + 4))
+    assert gate.begin_step(16) is False and gate.switched
+    for _ in range(WINDOW):
+        gate.observe(16, 16, 0.01, settled=True)
+        gate.begin_step(16)
+    assert gate.mode is True  # alternating until the readings settle
+    for _ in range(MAX_WINDOW):  # rows that never all settle at once: the window still ends
+        gate.observe(16, 8, 0.01, settled=False)
+        gate.begin_step(16)
+    assert gate.mode is False and gate.switched

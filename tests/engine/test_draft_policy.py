@@ -174,3 +174,26 @@ def test_the_batch_gate_measures_only_steps_where_a_row_could_draft():
     got = eng.generate(prompts, SamplingParams(max_new_tokens=24, tau=4, exact=True))
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert sum(gate.decisions.values()) > 0 and 4 in gate.buckets  # rows that could draft: windows are measured
+
+
+def test_a_gate_window_holds_its_drafts_and_rows_take_its_mode_at_once():
+    """Rows choose a cycle's drafts at its check; a window of the other mode that begins between two checks applies
+    at once (VerifiedCycles.switch), and a window of drafts runs until its drafts are checked: every draft pass runs
+    in a window of drafts. Cut at a fixed step count, a drafts window's last drafts were made and checked in the
+    plain window after it, which the gate then credited with their tokens."""
+    base = base_model(1, 0.0)
+    prompts = prompts_of([5, 9, 13, 4], 1)
+    eng = LLMEngine(base, None, DMTD, EngineConfig(max_num_seqs=8, max_model_len=256, adaptive_drafts=True,
+                                                   draft_quant="none"), default_tau=1, eos_token_ids=[])
+    ref = eng.generate(prompts, SamplingParams(max_new_tokens=48, tau=1, exact=True))
+    gate, draft, modes = eng.cycles.draft_gate, eng.runner.draft, []
+
+    def spy(seqs):
+        modes.append(gate.mode)
+        return draft(seqs)
+
+    eng.runner.draft = spy  # type: ignore[method-assign]
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=48, tau=4, exact=True))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert gate.decisions.get("measure plain", 0) >= 2 and gate.decisions.get("measure drafts", 0) >= 1
+    assert modes and all(modes), modes  # no draft pass in a plain window

@@ -37,6 +37,8 @@ def run_exact(engine: LLMEngine, batch: int, tau: int, threshold: float, new_tok
     prompts = chat_prompts(batch)
     for _ in range(repeats):
         engine.pass_stats.clear()
+        gate = engine.cycles.draft_gate.decisions
+        before = dict(gate)
         res = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens + 1, tau=tau, exact=True,
                                                       min_confidence=threshold if tau > 1 else 0.0,
                                                       ignore_eos=True))
@@ -59,6 +61,8 @@ def run_exact(engine: LLMEngine, batch: int, tau: int, threshold: float, new_tok
             "accepted_per_cycle": accepted / max(checks, 1), "drafted_per_cycle": drafted / max(checks, 1),
             "verify_s_per_call": verify_s / max(verify_calls, 1), "draft_s_per_call": draft_s / max(draft_calls, 1),
             "draft_threshold": threshold if tau > 1 else None,
+            # the batch gate's windows in this run, by reason ("plain pays", "measure drafts", "retry", …)
+            "gate_windows": {k: n - before.get(k, 0) for k, n in gate.items() if n > before.get(k, 0)},
         }
     best["pct_of_bound"] = best["tok_s"] / best["bound_tok_s"]
     return best

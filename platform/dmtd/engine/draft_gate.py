@@ -1,28 +1,30 @@
-"""Whether drafts may run at all at the batch's size: the tokens a row gets per second in a window of steps with
-drafts against the window of plain steps beside it, per batch size.
+"""Whether drafts may run at all at the batch's size: the tokens a row gets per second in a window of steps with drafts
+against the window of plain steps beside it, per batch size.
 
 The draft policy (:mod:`dmtd.engine.draft_policy`) prices one row's drafts from per-pass costs. In a batch that is
-not enough: rows out of phase split every step into a draft pass and a check pass, each reading all the weights,
-and a check of half the rows costs about what a check of all of them does. Measured at batch 16 (bf16, AMX): the
-per-row policy drafted every other step on every row and the batch decoded 0.55× the base alone. vLLM's dynamic
-speculative decoding answers the same question the same way, by goodput at the batch size. Here the answer is
-measured, not modelled: windows of ``WINDOW`` steps run with drafts (the policy's choices) or as plain base steps,
-and a window of one mode between two windows of the other (at the same batch size) gives one reading of drafts'
-goodput ÷ plain goodput. Readings are sandwiched because the machine's speed drifts: on the 2-core machines here by
-±30 % over seconds, and a drafts window compared with a plain goodput measured seconds earlier read a loss of 0.5×
-as a win (the exact default then drafted at batch 16 at 0.6× the base alone). The verdict is the median of the
-last ``READINGS`` readings, so one window that ran in a fast or slow moment does not turn it: a first measurement
-alternates the modes until two readings agree (or a third decides), and a retry whose reading disagrees with the
-verdict is confirmed by another at once.
+not enough: rows out of phase split every step into a draft pass and a check pass, each reading all the weights, and
+a check of half the rows costs about what a check of all of them does. Measured at batch 16 (bf16, AMX): the per-row
+policy drafted every other step on every row and the batch decoded 0.55× the base alone. vLLM's dynamic speculative
+decoding answers the same question the same way, by goodput at the batch size. Here the answer is measured, not
+modelled: windows of ``WINDOW`` steps run with drafts (the policy's choices) or as plain base steps, and a window of
+one mode between two windows of the other (at the same batch size) gives one reading of drafts' goodput ÷ plain
+goodput. A window's mode holds for every row from its first step (rows between two cycles take it at once,
+:meth:`dmtd.engine.verified.VerifiedCycles.switch`), and a window of drafts ends on a step where no row holds drafts
+still to check, so each window's tokens are those its own steps made. Readings are sandwiched because the machine's
+speed drifts: on the 2-core machines here by ±30 % over seconds, and a drafts window compared with a plain goodput
+measured seconds earlier read a loss of 0.5× as a win (the exact default then drafted at batch 16 at 0.6× the base
+alone). The verdict is the median of the last ``READINGS`` readings, so one window that ran in a fast or slow moment
+does not turn it: a first measurement alternates the modes until two readings agree (or a third decides), and a
+retry whose reading disagrees with the verdict is confirmed by another at once.
 
 The better mode runs; the other is tried again after a number of windows priced by how much it lost, doubling from
 there: a retry's window costs the share of a window the loser lost (1 − the ratio, the catch-up of a tail path that
 fell behind included), and the windows before it are as many as keep that under ``RETRY_BUDGET`` of the steps (at
-least 8; drafts at half the plain rate are retried after 50 windows, then 100, …). A batch size never measured
-takes the verdict of its neighbours where they imply one (drafts that lost at a smaller batch lose at a larger one:
-a wider batch only makes the weights' reads cheaper per row, the drafts' cost stays), else it measures. Only steps
-where some row could draft count (``LLMEngine`` skips the gate on the others: τ = 1 rows and unverified ones run
-the same steps in either mode). One sequence alone always drafts: its per-row costs are the batch's. Torch-free.
+least 8; drafts at half the plain rate are retried after 50 windows, then 100, …). A batch size never measured takes
+the verdict of its neighbours where they imply one (drafts that lost at a smaller batch lose at a larger one: a
+wider batch only makes the weights' reads cheaper per row, the drafts' cost stays), else it measures. Only steps
+where some row could draft count (``LLMEngine`` skips the gate on the others: τ = 1 rows and unverified ones run the
+same steps in either mode). One sequence alone always drafts: its per-row costs are the batch's. Torch-free.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import statistics
 from dataclasses import dataclass, field
 
 WINDOW = 4  # steps per measured window
+MAX_WINDOW = 16  # the most steps a window of drafts runs on while its rows' drafts wait for their check
 FIRST_RETRY = 8  # the fewest windows before the losing mode is measured again (then twice as many, … up to MAX_RETRY)
 MAX_RETRY = 256
 RETRY_BUDGET = 0.01  # the share of the steps a verdict's first retry may cost, at the loser's measured loss
@@ -99,8 +102,10 @@ class DraftGate:
 
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     mode: bool = True  # drafts allowed in the current window
+    switched: bool = False  # the latest step began a window of the other mode (VerifiedCycles.switch)
     _key: int = 1
-    _left: int = 0  # steps left in the current window
+    _open: bool = False  # a window is running
+    _steps: int = 0  # steps measured in it
     _tokens: int = 0
     _row_seconds: float = 0.0
     decisions: dict[str, int] = field(default_factory=dict)  # why each window ran as it did (metrics, tests)
@@ -111,28 +116,33 @@ class DraftGate:
 
     def begin_step(self, batch: int) -> bool:
         """Set the mode for a decode step of ``batch`` rows; a new window starts when the last ended or the batch
-        moved to another size."""
+        moved to another size (``switched`` tells whether it changed the mode)."""
         key = bucket(batch)
+        before, self.switched = self.mode, False
         if batch <= 1:
             self._close()
-            self.mode, self._key, self._left = True, key, 0
+            self.mode, self._key = True, key
             return True
-        if self._left > 0 and key == self._key:
+        if self._open and key == self._key:
             return self.mode
         self._close()
         self.mode, reason = self._decide(key)
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
-        self._key, self._left = key, WINDOW
+        self._key, self._open, self.switched = key, True, self.mode != before
         return self.mode
 
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """A decode step of ``batch`` rows emitted ``tokens`` in ``seconds``."""
-        if batch <= 1 or self._left <= 0 or bucket(batch) != self._key:
+    def observe(self, batch: int, tokens: int, seconds: float, settled: bool = True) -> None:
+        """A decode step of ``batch`` rows emitted ``tokens`` in ``seconds``; ``settled``: no row holds drafts
+        that wait for a check. A window of drafts ends on a settled step (or after ``MAX_WINDOW``), so that its
+        drafts' tokens and the passes that made them count in the same window: windows cut at a fixed step count
+        credited a drafts window's last drafts to the plain window after it, and at batch 16 read drafts at 0.87x
+        the plain goodput as 1.04-1.16x (the exact default then drafted at 0.65x the base alone)."""
+        if batch <= 1 or not self._open or bucket(batch) != self._key:
             return
         self._tokens += tokens
         self._row_seconds += seconds * batch
-        self._left -= 1
-        if self._left == 0:
+        self._steps += 1
+        if self._steps >= WINDOW and (settled or not self.mode or self._steps >= MAX_WINDOW):
             self._close()
 
     def _close(self) -> None:
@@ -144,7 +154,7 @@ class DraftGate:
                 b.confirm = (reading > 1) != b.winner and not b.confirm
                 b.retrying = b.confirm
             b.last = self.mode
-        self._tokens, self._row_seconds, self._left = 0, 0.0, 0
+        self._tokens, self._row_seconds, self._open, self._steps = 0, 0.0, False, 0
 
     def _decide(self, key: int) -> tuple[bool, str]:
         b = self.buckets.setdefault(key, _Bucket())

@@ -236,6 +236,8 @@ class LLMEngine:
             gate = None
         if gate is not None:
             gate.begin_step(len(out.decode))
+            if gate.switched:  # rows between cycles take the new window's mode now, not at their next check
+                self.cycles.switch(out.decode)
         plain = [s for s in out.decode if not s.params.exact]
         drafting = [s for s in out.decode if s.params.exact and not s.draft_done]
         checking = [s for s in out.decode if s.params.exact and s.draft_done]
@@ -261,7 +263,8 @@ class LLMEngine:
             prompt_logits = self.timed("prefill", self.runner.prefill, riders)[0]
         self.scheduler.num_decode_steps += 1
         if gate is not None and not riders:  # a step carrying prompt rows measures neither mode
-            gate.observe(len(out.decode), len(results), time.perf_counter() - t_step)
+            gate.observe(len(out.decode), len(results), time.perf_counter() - t_step,
+                         not any(s.drafts and not s.draft_done for s in out.decode))
         done = self.scheduler.prefilled(out.ride) if out.ride else []
         if done:
             assert prompt_logits is not None and len(prompt_logits) == len(done)

@@ -148,6 +148,22 @@ class VerifiedCycles:
                                                                    seq.accepted_by_pos, seq.drafted_by_pos)
         seq.draft_target = best + 1 if explore else best
 
+    def switch(self, seqs: list[Sequence]) -> None:
+        """The batch gate began a window of the other mode: the rows between two cycles (no draft made yet) take it
+        at once, where they had chosen their cycle under the last one at their check; a row whose drafts are under
+        way checks them first. Plain: the row's next step is a plain base step. Drafts: its policy chooses again (the
+        uncertain-token rule of that check is not kept: one cycle)."""
+        drafts = self.draft_gate.mode
+        for s in seqs:
+            if not s.params.exact or s.drafts or s.status is not SequenceStatus.RUNNING:
+                continue
+            if not drafts:
+                s.draft_target, s.draft_done = 0, True
+            elif s.draft_done:
+                self.choose(s)
+                s.draft_done = s.max_drafts(self.cfg.max_model_len) == 0
+                self.from_context(s)
+
     def from_context(self, seq: Sequence) -> None:
         """With ``context_drafts`` (and the adaptive policy, whose costs it weighs): make this cycle's drafts the
         tokens that followed the latest earlier occurrence of the context's last few tokens, where that has more
