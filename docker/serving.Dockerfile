@@ -56,4 +56,4 @@ RUN echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/dmtd-venv.sh \
 USER 1000
 WORKDIR /home/ray
 # Serve HTTP, Serve gRPC (the gateway), dmtd_* metrics.
-EXPOSE 8000 9000 9464
+EXPOSE 8000 8001 9000 9464

@@ -181,6 +181,12 @@ class ServeConfig(EngineSettings):
     grpc_host: str = Field(default="127.0.0.1",
                            description="Address the gateway's gRPC server binds (0.0.0.0 on Kubernetes).")
     grpc_port: int = Field(default=9000, ge=0, le=65535, description="The gateway's gRPC port.")
+    http_host: str | None = Field(default=None, description="Address the gateway's own HTTP server binds (default: "
+                                  "grpc_host).")
+    http_port: int | None = Field(
+        default=None, ge=0, le=65535, description="The gateway's own HTTP server: the OpenAI API and the dashboard "
+        "served in the gateway's process, each streamed chunk written to the client's socket there (None: HTTP only "
+        "through Serve's proxy, a Ray call's item per chunk).")
     max_inflight: int = Field(default=64, ge=1, description="Requests the gateway admits at once.")
     registry_url: str | None = Field(default=None,
                                      description="Redis URL of the variant registry the stack follows.")

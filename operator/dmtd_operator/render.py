@@ -96,6 +96,8 @@ def serve_args(t: Target, grpc_tls: Body) -> Body:
         "metrics_port": r.METRICS_PORT,
         "grpc_host": "0.0.0.0",
         "grpc_port": r.GATEWAY_GRPC_PORT,
+        "http_host": "0.0.0.0",
+        "http_port": r.GATEWAY_HTTP_PORT,
         "gateway_resources": {r.GATEWAY_RESOURCE: 1},
         "usd_per_gpu_hour": s.cost.usd_per_gpu_hour,
         "replica_type": s.resources.gpu_type or "gpu",
@@ -175,6 +177,7 @@ def _container(t: Target, name: str, cpu: str, memory: str, gpus: int) -> Body:
         "ports": [
             {"name": "serve", "containerPort": r.SERVE_HTTP_PORT},
             {"name": "grpc", "containerPort": r.GATEWAY_GRPC_PORT},
+            {"name": "gateway-http", "containerPort": r.GATEWAY_HTTP_PORT},
             {"name": "metrics", "containerPort": r.METRICS_PORT},
         ],
         "resources": {"requests": requests, "limits": limits},
@@ -246,7 +249,8 @@ def gateway_service(t: Target) -> Body:
                     "targetPort": r.GATEWAY_GRPC_PORT,
                     "appProtocol": "grpc",
                 },
-                {"name": "http", "port": r.SERVE_HTTP_PORT, "targetPort": r.SERVE_HTTP_PORT},
+                # the gateway's own HTTP server: Serve's proxy (SERVE_HTTP_PORT) stays for KubeRay's health checks
+                {"name": "http", "port": r.SERVE_HTTP_PORT, "targetPort": r.GATEWAY_HTTP_PORT},
             ],
         },
     }

@@ -235,7 +235,8 @@ class Serving(_Model):
     registry_url: str = Field(
         default="", description="Redis URL of the variant registry; empty = operator default."
     )
-    route_prefix: str = Field(default="/", description="Serve route prefix of the gateway.")
+    route_prefix: str = Field(default="/", description="Serve route prefix of the gateway on Serve's proxy (port "
+                              "8000); the gateway's own HTTP server, which the gateway Service targets, serves at /.")
     head_cpu: str = Field(default="2", description="CPU request of the Ray head pod (runs the gateway).")
     head_memory: str = Field(default="8Gi", description="Memory of the Ray head pod.")
     worker_cpu: str = Field(default="4", description="CPU request of one replica's worker pod.")

@@ -22,9 +22,10 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 @dataclass
 class Stack:
     grpc_target: str
-    http_url: str
+    http_url: str  # the gateway's own HTTP server (what dmtd serve offers)
     app: str
     registry_url: str
+    proxy_url: str = ""  # Serve's proxy (the secure stack's routes, under /secure)
 
     def replica_stats(self) -> dict[str, Any]:
         from ray import serve
@@ -72,18 +73,20 @@ def stack(tmp_path_factory):
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="dmtd-tests")
     stop_log_monitor()
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    http_port, grpc_port, proxy_port = free_port(), free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     app = build_app({
         # float32: the exact-profile streams are checked against float32 references token for token
         "variants": [{"name": VARIANT, "variant": "none", "decoding_layers": 8, "tau_max": 4, "dtype": "float32"}],
         "drafts": "fixed",  # the exact-profile tests below watch drafts being made, checked and counted
-        "grpc_port": grpc_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10, "max_model_len": 1024,
+        "grpc_port": grpc_port, "http_port": http_port, "max_num_seqs": 8, "max_queued": 4, "max_inflight": 10,
+        "max_model_len": 1024,
         "registry_url": registry_url, "itl_slo_ms": 5000.0,  # no ITL pressure: tests see the operating point
         "omp_wait_policy": "PASSIVE",  # the replica shares 2 cores with the test process, Ray and the gateway
     })
     serve.run(app, name="dmtd", route_prefix="/")
-    yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd", registry_url)
+    yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd", registry_url,
+                f"http://127.0.0.1:{proxy_port}")
     serve.shutdown()
     ray.shutdown()
     redis_proc.terminate()  # type: ignore[attr-defined]
@@ -124,7 +127,7 @@ def secure_stack(stack, tmp_path_factory):
     app = gateway.bind({VARIANT: replica}, [{"name": VARIANT, "status": "active", "traffic_weight": 1.0}], VARIANT,
                        "127.0.0.1", port, 10, None, None, None, None, str(keys), str(cert), str(key), "off")
     serve.run(app, name="dmtd-secure", route_prefix="/secure")
-    yield SecureStack(f"localhost:{port}", stack.http_url + "/secure", cert.read_bytes(),
+    yield SecureStack(f"localhost:{port}", stack.proxy_url + "/secure", cert.read_bytes(),
                       serve.get_deployment_handle("Gateway", app_name="dmtd-secure"))
     serve.delete("dmtd-secure")
 

@@ -82,3 +82,33 @@ def test_the_stack_runs_without_rays_log_monitor_and_still_serves(stack):
         blocks = list(c.generate(messages=[{"role": "user", "content": "Say hi."}], max_new_tokens=6,
                                  tau_min=1, tau_max=1, ignore_eos=True))
     assert sum(len(b.token_ids) for b in blocks) == 6 and blocks[-1].usage.completion_tokens == 6
+
+
+def test_the_gateways_http_server_answers_on_its_port_and_names_a_taken_one() -> None:
+    """The OpenAI routes on the gateway's own uvicorn server (no Serve proxy hop): it binds the port it is given
+    (0: a free one) and serves; a port already taken is an error naming ``http_port``, not uvicorn's sys.exit."""
+    import asyncio
+    import json
+    import socket
+    import urllib.request
+
+    from dmtd.serve.ingress import start_http_server
+
+    async def run() -> None:
+        server, port = await start_http_server("127.0.0.1", 0)
+        assert port > 0
+        url = f"http://127.0.0.1:{port}/openapi.json"  # FastAPI's own route: the others are the gateway's methods
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+        assert "/v1/chat/completions" in json.loads(body)["paths"]
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        try:
+            with pytest.raises(OSError, match=r"http_port: .* cannot listen on 127\.0\.0\.1:\d+"):
+                await start_http_server("127.0.0.1", taken.getsockname()[1])
+        finally:
+            taken.close()
+        server.should_exit = True
+        await asyncio.sleep(0.3)
+
+    asyncio.run(run())

@@ -71,4 +71,4 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
                                     max_ongoing_requests=1000, ray_actor_options=actor)
     return gateway.bind(handles, infos, cfg.default, cfg.grpc_host, cfg.grpc_port, cfg.max_inflight, cfg.registry_url,
                         telemetry, deployments, limits, cfg.api_keys_file, cfg.tls_cert_file, cfg.tls_key_file,
-                        cfg.block_push)
+                        cfg.block_push, cfg.http_host, cfg.http_port)

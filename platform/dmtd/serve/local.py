@@ -37,7 +37,8 @@ class StartupError(RuntimeError):
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC and HTTP servers bind")
     p.add_argument("--grpc-port", type=int, default=9000)
-    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the OpenAI API and dashboard, served by the gateway process itself (no Serve proxy)")
     p.add_argument("--registry", default=None, help="Redis URL of the variant registry (default: embedded)")
     p.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2)")
     p.add_argument("--variant", default=None, help="variant to serve (default: the shipped variant, if any)")
@@ -214,7 +215,8 @@ def serve_args(args: argparse.Namespace, variant: str) -> ServeConfig:
         "variants": [{"name": name, "variant": variant, "model": args.model, "decoding_layers": args.decoding_layers,
                       "replicas": args.replicas, "dtype": getattr(args, "dtype", None),
                       "quant": getattr(args, "quant", None)}],
-        "grpc_host": args.host, "grpc_port": args.grpc_port, "max_num_seqs": args.max_num_seqs,
+        "grpc_host": args.host, "grpc_port": args.grpc_port, "http_port": getattr(args, "http_port", None),
+        "max_num_seqs": args.max_num_seqs,
         "max_model_len": getattr(args, "max_model_len", None),
         "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
         "kv_cache_gib": getattr(args, "kv_cache_gib", None), "max_queued": getattr(args, "max_queued", None),
@@ -249,15 +251,13 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False, _node_ip_address="127.0.0.1")  # Ray's own servers on loopback
     stop_log_monitor()
-    cert, key = cfg.tls_cert_file, cfg.tls_key_file
-    http_options: dict[str, Any] = {"host": args.host, "port": args.http_port}
-    if cert or key:
-        http_options.update(ssl_certfile=cert, ssl_keyfile=key)
+    cert = cfg.tls_cert_file
     ensure_registered(url, name, variant, args.model, args.decoding_layers)
     app = build_app(cfg.model_copy(update={"registry_url": url}))
 
     def start() -> None:
-        serve.start(http_options=http_options)
+        # the gateway serves HTTP itself (http_port): no Serve proxy, whose hop cost a Ray call per streamed chunk
+        serve.start(proxy_location="Disabled")
         serve.run(app, name="dmtd", route_prefix="/")
 
     def cleanup() -> None:
