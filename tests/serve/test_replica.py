@@ -281,3 +281,25 @@ def test_cancelling_a_stream_that_waits_out_its_interval_frees_the_slot():
 
     out = asyncio.run(scenario())
     assert len(out["first"]) == 1 and out["active"] == 0 and out["free_kv_rows"] == 2
+
+
+def test_stats_count_the_batch_gates_windows():
+    """Exact requests that share steps open the batch gate's windows (dmtd.engine.draft_gate); the replica's stats
+    count them by reason, as the engine counts them."""
+    from dmtd.engine.config import EngineConfig
+    from dmtd.engine.llm import LLMEngine
+
+    model = tiny_model(seed=21)
+    cfg = ControllerConfig(tau_min=1, tau_max=4, rest_tau=4, max_batch=4, hold_steps=10**9)
+    rep = DMTDReplica(lambda: (LLMEngine(model, None, DMTD, EngineConfig(max_num_seqs=4, max_model_len=256,
+                                                                         adaptive_drafts=True, draft_quant="none"),
+                                         default_tau=1, eos_token_ids=[]), cfg), max_queued=2, name="r0")
+
+    async def scenario():
+        await asyncio.gather(*(collect(rep, req(f"x{i}", 40, profile="exact")) for i in range(3)))
+        return await rep.stats()
+
+    stats = asyncio.run(scenario())
+    windows = stats["gate_windows"]
+    assert windows == rep.loop.engine.cycles.draft_gate.decisions
+    assert sum(windows.values()) > 0 and windows.get("measure plain", 0) >= 1

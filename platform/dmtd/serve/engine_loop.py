@@ -92,7 +92,9 @@ class EngineLoop(BlockDelivery, EngineThread):
                 "pending": len(self._inbox.admissions),
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
-                "loop_restarts": self.restarts, **self.engine.cache_report()}
+                "loop_restarts": self.restarts, **self.engine.cache_report(),
+                # the batch gate's windows by reason ("plain pays", "measure drafts", "retry", …; draft_gate.py)
+                "gate_windows": dict(self.engine.cycles.draft_gate.decisions)}
 
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
