@@ -14,13 +14,16 @@ from dmtd.engine.draft_gate import (
 )
 
 
-def run_window(gate: DraftGate, batch: int, goodput: dict[bool, float]) -> bool:
-    """One window of ``batch`` rows whose steps emit tokens at ``goodput[mode]`` per row-second."""
+def run_window(gate: DraftGate, batch: int, goodput: dict[bool, float],
+               step_s: dict[bool, float] | None = None) -> bool:
+    """One window of ``batch`` rows whose steps emit tokens at ``goodput[mode]`` per row-second (each step
+    ``step_s[mode]`` seconds, 0.01 by default)."""
     mode = gate.begin_step(batch)
+    dt = (step_s or {}).get(mode, 0.01)
     for i in range(WINDOW):
         if i:
             assert gate.begin_step(batch) is mode  # a window keeps its mode
-        gate.observe(batch, round(goodput[mode] * batch * 0.01), 0.01)
+        gate.observe(batch, round(goodput[mode] * batch * dt), dt)
     return mode
 
 
@@ -42,7 +45,7 @@ def test_losing_drafts_are_turned_off_and_retried_rarely():
 
 
 def test_a_retry_waits_as_long_as_the_losers_loss_makes_it_cost():
-    assert first_retry(0.99) == FIRST_RETRY  # a near tie: retried soon
+    assert first_retry(0.01) == FIRST_RETRY  # a near tie: retried soon
     assert first_retry(0.5) == round(0.5 / RETRY_BUDGET)  # half the rate: a retry window costs half a window
     gate = DraftGate()
     modes = [run_window(gate, 16, {True: 300.0, False: 600.0}) for _ in range(200)]
@@ -145,3 +148,18 @@ def test_a_window_of_drafts_ends_on_the_step_that_checks_its_drafts():
         gate.observe(16, 8, 0.01, settled=False)
         gate.begin_step(16)
     assert gate.mode is False and gate.switched
+
+
+def test_a_retry_is_priced_by_the_time_its_window_takes():
+    """A window of drafts after plain steps first catches every row's tail path up (at batch 64 it lasted 8× a
+    plain window): its retries are spaced by the time it loses, not by its window count."""
+    plain_s = DraftGate()
+    modes = [run_window(plain_s, 16, {True: 300.0, False: 600.0}) for _ in range(4 + first_retry(0.5) + 1)]
+    assert modes[-1]  # drafts at half the rate, windows as long as plain ones: retried after 50 windows
+    slow = DraftGate()
+    step_s = {True: 0.04, False: 0.01}  # the same goodput, each drafts window four times as long
+    modes = [run_window(slow, 16, {True: 300.0, False: 600.0}, step_s) for _ in range(4 + first_retry(2.0) + 1)]
+    retries = [i for i, m in enumerate(modes) if m and i > 3]
+    assert retries == [4 + first_retry(2.0)]  # after 200 windows: 4 × (1 − 0.5) windows' time lost a retry
+    modes = [run_window(slow, 64, {True: 300.0, False: 600.0}, step_s) for _ in range(first_retry(2.0) + 2)]
+    assert not any(modes[:-1]) and modes[-1]  # a larger batch inherits the verdict and its price

@@ -18,13 +18,15 @@ does not turn it: a first measurement alternates the modes until two readings ag
 retry whose reading disagrees with the verdict is confirmed by another at once.
 
 The better mode runs; the other is tried again after a number of windows priced by how much it lost, doubling from
-there: a retry's window costs the share of a window the loser lost (1 − the ratio, the catch-up of a tail path that
-fell behind included), and the windows before it are as many as keep that under ``RETRY_BUDGET`` of the steps (at
-least 8; drafts at half the plain rate are retried after 50 windows, then 100, …). A batch size never measured takes
-the verdict of its neighbours where they imply one (drafts that lost at a smaller batch lose at a larger one: a
-wider batch only makes the weights' reads cheaper per row, the drafts' cost stays), else it measures. Only steps
-where some row could draft count (``LLMEngine`` skips the gate on the others: τ = 1 rows and unverified ones run the
-same steps in either mode). One sequence alone always drafts: its per-row costs are the batch's. Torch-free.
+there: a retry's window costs the time it runs behind — 1 − the ratio, for as long as it lasts against a window of
+the winner (a window of drafts after plain steps first catches every row's tail path up, and at batch 64 lasted 8× a
+plain one) — and the windows before it are as many as keep that under ``RETRY_BUDGET`` of the time (at least 8;
+drafts at half the plain rate in windows as long as plain ones are retried after 50 windows, then 100, …). A batch
+size never measured takes the verdict of its neighbours where they imply one (drafts that lost at a smaller batch
+lose at a larger one: a wider batch only makes the weights' reads cheaper per row, the drafts' cost stays), else it
+measures. Only steps where some row could draft count (``LLMEngine`` skips the gate on the others: τ = 1 rows and
+unverified ones run the same steps in either mode). One sequence alone always drafts: its per-row costs are the
+batch's. Torch-free.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ RETRY_BUDGET = 0.01  # the share of the steps a verdict's first retry may cost, 
 READINGS = 3  # the readings a verdict is the median of
 
 
-def first_retry(ratio: float) -> int:
-    """Windows of the winner before the loser, which measured ``ratio`` of its goodput, is measured again: a retry
-    window loses ``1 − ratio`` of a window, kept under ``RETRY_BUDGET`` of the windows it follows."""
-    return min(MAX_RETRY, max(FIRST_RETRY, math.ceil((1 - ratio) / RETRY_BUDGET)))
+def first_retry(cost: float) -> int:
+    """Windows of the winner before the loser is measured again, where a window of the loser costs ``cost`` windows
+    of the winner's time (:meth:`_Bucket.cost`): kept under ``RETRY_BUDGET`` of the windows it follows."""
+    return min(MAX_RETRY, max(FIRST_RETRY, math.ceil(cost / RETRY_BUDGET)))
 
 
 def bucket(batch: int) -> int:
@@ -55,12 +57,14 @@ def bucket(batch: int) -> int:
 @dataclass(slots=True)
 class _Bucket:
     goodput: dict[bool, float] = field(default_factory=dict)  # drafts on / off → the latest window's tokens/row-s
+    seconds: dict[bool, float] = field(default_factory=dict)  # drafts on / off → the latest window's wall seconds
     windows: list[tuple[bool, float]] = field(default_factory=list)  # the last three windows: (mode, goodput)
     readings: list[float] = field(default_factory=list)  # drafts ÷ plain, one per window between two of the other
     retry: int = FIRST_RETRY  # windows of the winning mode before the other is measured again
     since: int = 0  # windows of the winning mode since the other was last measured
     implied: bool | None = None  # the neighbours' verdict, where the bucket was first met after them
     implied_ratio: float = 1.0  # that neighbour's ratio (prices the first retry)
+    implied_span: float = 1.0  # that neighbour's window of the losing mode ÷ of the winning one, in time
     last: bool | None = None  # the mode of the bucket's latest window
     winner: bool | None = None
     retrying: bool = False  # a retry's window ran: the next reading is the retry's
@@ -78,9 +82,10 @@ class _Bucket:
         r = self.readings
         return len(r) >= READINGS or (len(r) == 2 and (r[0] > 1) == (r[1] > 1))
 
-    def add(self, mode: bool, goodput: float) -> float | None:
+    def add(self, mode: bool, goodput: float, seconds: float = 0.0) -> float | None:
         """Keep a window; returns the reading it completes (its predecessor between it and the one before)."""
         self.goodput[mode] = goodput
+        self.seconds[mode] = seconds
         w = self.windows = [*self.windows[-2:], (mode, goodput)]
         if len(w) < 3 or not (w[0][0] == w[2][0] != w[1][0]) or min(g for _, g in w) <= 0:
             return None
@@ -95,6 +100,19 @@ class _Bucket:
         r = self.ratio if self.ratio is not None else self.implied_ratio
         return min(r, 1 / r) if r > 0 else 0.0
 
+    def cost(self, winner: bool) -> float:
+        """What a window of the losing mode costs, in windows of the winner's time: it runs ``1 − loss`` behind for
+        as long as it lasts. A window of drafts after plain steps first catches every row's tail path up on the
+        positions since, and at batch 64 lasted 8× a plain window (goodput 0.12×): priced as one window, its
+        retries every 64 windows cost ~11 % of the time, not the 1 % budgeted."""
+        return (1 - self.loss()) * self.span(winner)
+
+    def span(self, winner: bool) -> float:
+        """The latest window of the losing mode ÷ the winning one's, in seconds (the neighbour's before both ran
+        here)."""
+        t_loser, t_winner = self.seconds.get(not winner, 0.0), self.seconds.get(winner, 0.0)
+        return t_loser / t_winner if t_loser > 0 and t_winner > 0 else self.implied_span
+
 
 @dataclass(slots=True)
 class DraftGate:
@@ -107,6 +125,7 @@ class DraftGate:
     _open: bool = False  # a window is running
     _steps: int = 0  # steps measured in it
     _tokens: int = 0
+    _seconds: float = 0.0
     _row_seconds: float = 0.0
     decisions: dict[str, int] = field(default_factory=dict)  # why each window ran as it did (metrics, tests)
 
@@ -140,6 +159,7 @@ class DraftGate:
         if batch <= 1 or not self._open or bucket(batch) != self._key:
             return
         self._tokens += tokens
+        self._seconds += seconds
         self._row_seconds += seconds * batch
         self._steps += 1
         if self._steps >= WINDOW and (settled or not self.mode or self._steps >= MAX_WINDOW):
@@ -149,12 +169,12 @@ class DraftGate:
         """Keep the current window's goodput (a window cut short counts if it ran a step)."""
         if self._row_seconds > 0 and self._key > 1:
             b = self.buckets.setdefault(self._key, _Bucket())
-            reading = b.add(self.mode, self._tokens / self._row_seconds)
+            reading = b.add(self.mode, self._tokens / self._row_seconds, self._seconds)
             if reading is not None and b.retrying:  # a retry that disagrees is measured once more at once
                 b.confirm = (reading > 1) != b.winner and not b.confirm
                 b.retrying = b.confirm
             b.last = self.mode
-        self._tokens, self._row_seconds, self._open, self._steps = 0, 0.0, False, 0
+        self._tokens, self._seconds, self._row_seconds, self._open, self._steps = 0, 0.0, 0.0, False, 0
 
     def _decide(self, key: int) -> tuple[bool, str]:
         b = self.buckets.setdefault(key, _Bucket())
@@ -164,9 +184,9 @@ class DraftGate:
                 return not b.winner, "confirm"
             return self._winner_or_retry(b, b.ratio is not None and b.ratio > 1)
         if b.last is None and b.implied is None:
-            b.implied, b.implied_ratio = self._implied(key)
+            b.implied, b.implied_ratio, b.implied_span = self._implied(key)
             if b.implied is not None:
-                b.winner, b.retry, b.since = b.implied, first_retry(b.loss()), 0
+                b.winner, b.retry, b.since = b.implied, first_retry(b.cost(b.implied)), 0
                 return b.implied, "neighbour"
         if b.implied is not None and not b.readings and (b.last is None or b.last == b.implied):
             return self._winner_or_retry(b, b.implied)  # the neighbours' verdict runs until its retry measures
@@ -176,7 +196,7 @@ class DraftGate:
 
     def _winner_or_retry(self, b: _Bucket, winner: bool) -> tuple[bool, str]:
         if winner != b.winner:  # a new verdict: the other mode is retried as soon as its loss affords
-            b.winner, b.retry, b.since = winner, first_retry(b.loss()), 0
+            b.winner, b.retry, b.since = winner, first_retry(b.cost(winner)), 0
         b.since += 1
         if b.since > b.retry:
             b.since = 0
@@ -185,15 +205,15 @@ class DraftGate:
             return not winner, "retry"
         return winner, "drafts pay" if winner else "plain pays"
 
-    def _implied(self, key: int) -> tuple[bool | None, float]:
+    def _implied(self, key: int) -> tuple[bool | None, float, float]:
         """Plain where drafts lost at a smaller batch size; drafts where they won at a larger one (with that
-        size's ratio, which prices the first retry)."""
+        size's ratio and windows' span, which price the first retry)."""
         for k, b in self.buckets.items():
             r = b.ratio
             if r is None or not b.settled():
                 continue
             if k < key and r < 1:
-                return False, r
+                return False, r, b.span(False)
             if k > key and r > 1:
-                return True, r
-        return None, 1.0
+                return True, r, b.span(True)
+        return None, 1.0, 1.0
