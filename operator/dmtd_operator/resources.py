@@ -22,8 +22,9 @@ SERVE_IMPORT_PATH = "dmtd.serve.app:build_app"
 REPLICA_DEPLOYMENT = "DMTDReplica"
 GATEWAY_DEPLOYMENT = "Gateway"
 GATEWAY_GRPC_PORT = 9000
-GATEWAY_HTTP_PORT = 8001  # the gateway's own HTTP server (the OpenAI API; Serve's proxy keeps 8000)
 """The Gateway deployment's gRPC port (dmtd.v1.GenerateService, health, reflection)."""
+GATEWAY_HTTP_PORT = 8001
+"""The Gateway deployment's own HTTP server (the OpenAI API, the dashboard); Serve's proxy keeps SERVE_HTTP_PORT."""
 GATEWAY_RESOURCE = "dmtd-gateway"
 """Custom Ray resource only the head pod offers: pins the Gateway deployment there."""
 SERVE_HTTP_PORT = 8000

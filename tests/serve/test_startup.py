@@ -95,7 +95,7 @@ def test_the_gateways_http_server_answers_on_its_port_and_names_a_taken_one() ->
     from dmtd.serve.ingress import start_http_server
 
     async def run() -> None:
-        server, port = await start_http_server("127.0.0.1", 0)
+        server, task, port = await start_http_server("127.0.0.1", 0)
         assert port > 0
         url = f"http://127.0.0.1:{port}/openapi.json"  # FastAPI's own route: the others are the gateway's methods
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
@@ -109,6 +109,6 @@ def test_the_gateways_http_server_answers_on_its_port_and_names_a_taken_one() ->
         finally:
             taken.close()
         server.should_exit = True
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(task, 10)
 
     asyncio.run(run())

@@ -39,7 +39,7 @@ WINDOW = 4  # steps per measured window
 MAX_WINDOW = 16  # the most steps a window of drafts runs on while its rows' drafts wait for their check
 FIRST_RETRY = 8  # the fewest windows before the losing mode is measured again (then twice as many, … up to MAX_RETRY)
 MAX_RETRY = 256
-RETRY_BUDGET = 0.01  # the share of the steps a verdict's first retry may cost, at the loser's measured loss
+RETRY_BUDGET = 0.01  # the share of the time a verdict's first retry may cost, at the loser's measured loss
 READINGS = 3  # the readings a verdict is the median of
 
 
@@ -82,7 +82,7 @@ class _Bucket:
         r = self.readings
         return len(r) >= READINGS or (len(r) == 2 and (r[0] > 1) == (r[1] > 1))
 
-    def add(self, mode: bool, goodput: float, seconds: float = 0.0) -> float | None:
+    def add(self, mode: bool, goodput: float, seconds: float) -> float | None:
         """Keep a window; returns the reading it completes (its predecessor between it and the one before)."""
         self.goodput[mode] = goodput
         self.seconds[mode] = seconds

@@ -81,11 +81,12 @@ class Gateway:
             self.view = RegistryView(RegistryClient(registry_url))
             self.view.add_listener(self._on_registry)
             await self.view.start()
-        self.http: Any = None
+        self.http: Any = None  # the uvicorn server and the task serving it (held: the loop keeps tasks weakly)
         self.http_port: int | None = None
         if http_port is not None:  # last: its routes read this object as Serve's replica context holds it
-            self.http, self.http_port = await start_http_server(http_host or grpc_host, http_port, tls_cert_file,
-                                                                tls_key_file)
+            server, task, self.http_port = await start_http_server(http_host or grpc_host, http_port,
+                                                                    tls_cert_file, tls_key_file)
+            self.http = (server, task)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
         """Follow the registry: status, canary weight, τ range and default of every served variant."""
@@ -233,12 +234,14 @@ class Gateway:
         return JSONResponse(error_body(message, kind, param), status, headers=headers)
 
 
-async def start_http_server(host: str, port: int, cert: str | None = None, key: str | None = None) -> tuple[Any, int]:
+async def start_http_server(host: str, port: int, cert: str | None = None,
+                            key: str | None = None) -> tuple[Any, asyncio.Task[None], int]:
     """The OpenAI routes (``http_app``) on the gateway's own event loop at host:port (0: any free port), TLS with
     ``cert`` / ``key``: a client's request and every streamed chunk go straight between its socket and this process.
     Through Serve's proxy each chunk was a Ray call's item, proxy actor to gateway and back: ~1.2 ms of CPU a token
     across the two processes at 16 streams, against 0.17 for the gRPC server beside this one (AMX Xeon, 2 cores:
-    docs/benchmarks.md). Returns the uvicorn server and its bound port; a port that will not bind raises."""
+    docs/benchmarks.md). Returns the uvicorn server, the task serving it (keep it: the event loop holds tasks only
+    weakly) and its bound port; a port that will not bind raises."""
     import socket
 
     import uvicorn
@@ -262,7 +265,7 @@ async def start_http_server(host: str, port: int, cert: str | None = None, key: 
         await asyncio.sleep(0.01)
     bound = sock.getsockname()[1]
     log.info("HTTP gateway listening on %s:%d (%s)", host, bound, "TLS" if cert else "plaintext")
-    return server, bound
+    return server, task, bound
 
 
 def _sink_host(setting: str, grpc_host: str) -> str:
