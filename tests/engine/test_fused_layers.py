@@ -112,6 +112,37 @@ def test_rows_layers_compute_the_layer_loop_for_batches_chunks_and_padding():
     assert torch.equal(both[1], alone[0])
 
 
+def test_rows_layers_give_prompt_rows_their_bits_however_the_calls_split_them():
+    """A prompt's prefill runs as rows of one call, or of several wherever the scheduler splits it: two slots' 41
+    positions each in one call of 82 rows (the norms' and the MLP's rows shared by the threads, the norms eight rows
+    side by side) and the same positions as calls of 5 and of 77 rows, or of 13, 40 and 29, give every row the same
+    bits and write the same KV."""
+    from dmtd.engine.model import StepContext
+
+    g = torch.Generator().manual_seed(4)
+    r, dmtd, model, reset = _packed_draft_runner(5, 3, g)
+    rows = [(0, p) for p in range(41)] + [(1, p) for p in range(41)]  # (slot, position), in the order of a call
+    h = torch.randn(1, len(rows), 64, generator=g)
+
+    def call(part: slice) -> torch.Tensor:
+        slots = torch.tensor([s for s, _ in rows[part]])
+        pos = torch.tensor([p for _, p in rows[part]])
+        none = torch.empty(0)
+        r.cache.sync()  # the page table as the pages hold it
+        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], r.cache.table, slots, pos, None)
+        with torch.inference_mode():
+            return model.run_rows(h[:, part], dmtd.decoding_start, dmtd.num_layers, r.kv, ctx, r.draft_weights)
+
+    reset()
+    whole = call(slice(None))
+    kv_whole = [(k.clone(), v.clone()) for k, v in r.kv]
+    for cuts in ((0, 5, 82), (0, 13, 53, 82)):
+        reset()
+        parts = torch.cat([call(slice(a, b)) for a, b in zip(cuts, cuts[1:])], dim=1)
+        assert torch.equal(parts, whole), cuts
+        assert all(torch.equal(k, kw) and torch.equal(v, vw) for (k, v), (kw, vw) in zip(r.kv, kv_whole))
+
+
 @pytest.mark.parametrize("draft_quant", ["int8", "none"])
 def test_int8_drafts_keep_the_output_the_verifiers(draft_quant):
     base = base_model(4, 0.3)

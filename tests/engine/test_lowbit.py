@@ -80,6 +80,25 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(fmt):
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "i8dot"])
+def test_a_prompts_many_rows_get_the_bits_each_gets_alone(fmt):
+    """A prompt's prefill runs hundreds of rows a call, which the AMX product takes in chunks of 256 rows and the
+    others in blocks: a row keeps the bits it gets alone or among a few — 1 .. 500 rows, across chunk and tile
+    boundaries (500 = 31 · 16 + 4), outputs past the last whole block of 32 (80) — and the dense product's value."""
+    torch.manual_seed(2)
+    p = lowbit.pack(torch.randn(80, 192), fmt)
+    x = torch.randn(500, 192)
+    many = p.project(x)
+    amx = fmt == "bf16" and lowbit.loaded_path() == "amx"
+    if fmt in ("bf16", "int8", "int4"):
+        ref = (x.to(torch.bfloat16).float() if amx else x) @ lowbit.unpack(p).t()
+        torch.testing.assert_close(many, ref, rtol=8e-3 if amx else 1e-4, atol=1e-4)
+    for n in (1, 3, 16, 40, 383, 384, 401):
+        part = p.project(x[-n:])
+        assert torch.equal(part, many[-n:]), n
+    assert torch.equal(p.project(x[:1]), many[:1])
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "i8dot"])
 def test_the_prefetch_distance_changes_no_bit_and_refuses_a_bad_one(fmt):
     """dmtd::set_prefetch changes how far ahead the weights are fetched, never a value;
     a distance outside 0..65536 is refused naming the rule, and the one before stays."""

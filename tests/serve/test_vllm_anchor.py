@@ -34,7 +34,7 @@ def test_chat_prompts_are_the_exact_benchmarks():
 def test_rows_ratios_table_and_json(tmp_path, capsys):
     plan = va.workloads([1, 16], 3, 64, tmp_path / "chats.jsonl")
     assert [(w["workload"], w["concurrency"], w["num_prompts"]) for w in plan] == [
-        ("chat", 1, 8), ("chat", 16, 48), ("prefix", 4, 16)]
+        ("chat", 1, 8), ("chat", 16, 48), ("prefix", 4, 32)]
     rows = va.make_rows({"vllm": [VLLM] * 3, "dmtd": [OURS] * 3}, plan)
     r = rows[0]
     assert r["vllm"]["tokens_per_s"] == 128.0 and r["dmtd"]["output_tokens"] == 512
@@ -60,7 +60,8 @@ def test_client_command_is_one_greedy_openai_chat_client(tmp_path):
         assert part in s
     assert "--ignore-eos" not in s  # our OpenAI API has no ignore_eos: a request would be refused
     prefix = va.workloads([1], 1, 64, tmp_path / "d.jsonl")[-1]
-    assert prefix["workload"] == "prefix" and prefix["concurrency"] == 4
+    assert prefix["workload"] == "prefix" and prefix["concurrency"] == 4 and prefix["num_prompts"] == 32
+    assert "--save-detailed" in s  # each request's TTFT: the cold prefixes' apart from the cached ones
     assert " ".join(prefix["dataset_args"]).endswith(
         "--prefix-repetition-prefix-len 1024 --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 4 "
         "--prefix-repetition-output-len 64")

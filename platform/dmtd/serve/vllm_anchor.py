@@ -9,7 +9,8 @@ Each workload runs on vLLM, then at once on ours: the idle side waits while the 
 
 Workloads: ``chat`` (the eight chat prompts of the exact benchmarks, none in a training corpus; vLLM's custom
 dataset, sent as the user turn) at each ``--concurrency``; ``prefix`` (vLLM's ``prefix_repetition`` dataset:
-4 prefixes × 1,024 tokens + a 64-token suffix, at concurrency 4). EOS may end an answer (our OpenAI API has no
+4 prefixes × 1,024 tokens + a 64-token suffix, 32 requests at concurrency 4, as the issue's table ran it: the first
+request of each prefix computes it, the others read it from the cache). EOS may end an answer (our OpenAI API has no
 ``ignore_eos``); greedy on the same weights, both sides answer alike, and each row keeps its output tokens.
 
 vLLM's client measures ITL between streamed chunks: where a chunk carries several tokens (our replicas send a
@@ -51,7 +52,7 @@ CHAT_PROMPTS = (
     "List five interesting facts about the moon.",
     "How does a refrigerator keep food cold?",
 )
-PREFIX = {"prefixes": 4, "prefix_len": 1024, "suffix_len": 64, "concurrency": 4, "requests": 16}
+PREFIX = {"prefixes": 4, "prefix_len": 1024, "suffix_len": 64, "concurrency": 4, "requests": 32}
 KVCACHE_GIB = "4"  # VLLM_CPU_KVCACHE_SPACE: fits a 24 GiB machine beside our stack's idle processes
 
 
@@ -129,7 +130,10 @@ def client_command(venv: Path, base_url: str, model: str, tokenizer: str, w: dic
             *w["dataset_args"], "--num-prompts", str(w["num_prompts"]), "--max-concurrency", str(w["concurrency"]),
             "--request-rate", "inf", "--temperature", "0", "--seed", str(seed), "--num-warmups", "1",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+            "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+DETAIL_DROPPED = ("generated_texts", "itls", "errors")
 
 
 def side_metrics(raw: dict[str, Any]) -> dict[str, Any]:
@@ -246,7 +250,8 @@ def run_client(venv: Path, base_url: str, model: str, tokenizer: str, plan: list
         if raw.get("failed"):
             errs = [e for e in raw.get("errors", []) if e][:2]
             raise AnchorError(f"{raw['failed']} of {w['num_prompts']} requests to {side} failed (log {log}): {errs}")
-        out.append(raw)
+        # per request (--save-detailed): TTFT and token counts kept, the texts and every chunk's gap left in workdir
+        out.append({k: v for k, v in raw.items() if k not in DETAIL_DROPPED})
     return out
 
 
