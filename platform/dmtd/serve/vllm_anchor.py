@@ -9,9 +9,10 @@ Each workload runs on vLLM, then at once on ours: the idle side waits while the 
 
 Workloads: ``chat`` (the eight chat prompts of the exact benchmarks, none in a training corpus; vLLM's custom
 dataset, sent as the user turn) at each ``--concurrency``; ``prefix`` (vLLM's ``prefix_repetition`` dataset:
-4 prefixes × 1,024 tokens + a 64-token suffix, 32 requests at concurrency 4, as the issue's table ran it: the first
-request of each prefix computes it, the others read it from the cache). EOS may end an answer (our OpenAI API has no
-``ignore_eos``); greedy on the same weights, both sides answer alike, and each row keeps its output tokens.
+4 prefixes × 1,024 tokens + a 64-token suffix, 32 requests at concurrency 4: the first request of each prefix
+computes it, the others read it from the cache; each request's TTFT is kept, ``--save-detailed``). EOS may end an
+answer (our OpenAI API has no ``ignore_eos``); greedy on the same weights, both sides answer alike, and each row
+keeps its output tokens.
 
 vLLM's client measures ITL between streamed chunks: where a chunk carries several tokens (our replicas send a
 verified cycle's tokens together) the gap covers them all, so TPOT (decode time per output token) is the
