@@ -315,6 +315,33 @@ def test_gated_tails_draw_only_from_the_draft_vocabulary_alone_or_beside_heads()
     assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
 
 
+def test_a_dmtd_profile_request_is_the_same_after_exact_requests_switched_the_drafts_to_int8():
+    """Exact requests pack the drafts' weights and head (int8 here); the unverified profile's tails keep the engine's
+    own head, so its tokens and their log-probabilities are the same whether or not an exact request ran first."""
+    from dmtd.engine.config import EngineConfig
+
+    base = base_model(8, 0.2)
+    prompts = prompts_of([5, 9, 14], 8)
+    vocab = list(range(0, 97, 2))
+    params = SamplingParams(max_new_tokens=18, tau=3, logprobs=0)
+
+    def engine() -> LLMEngine:
+        cfg = EngineConfig(max_num_seqs=8, max_model_len=256, align_phases=False, draft_quant="int8")
+        return LLMEngine(base, None, DMTD, cfg, default_tau=1, eos_token_ids=[], draft_vocab=vocab)
+
+    fresh = engine().generate(prompts, params)
+    eng, steps = engine(), []
+    eng.generate(prompts[:1], SamplingParams(max_new_tokens=12, tau=3, exact=True))
+    assert eng.runner.draft_format == "i8dot" and eng.runner.draft_head() is not eng.runner.tail_head()
+    run = eng.runner._decode_logits
+    eng.runner._decode_logits = lambda h, tails, any_head: steps.append((bool(tails), any_head)) or run(
+        h, tails, any_head)
+    after = eng.generate(prompts, params)
+    assert (True, False) in steps  # steps of tails alone, which project onto the draft vocabulary only
+    assert [r.token_ids for r in after] == [r.token_ids for r in fresh]
+    assert [r.logprobs for r in after] == [r.logprobs for r in fresh]
+
+
 def test_exact_and_gated_rows_share_a_batch():
     base = base_model(6, 0.2)
     prompts = prompts_of([5, 8, 11], 6)

@@ -75,6 +75,7 @@ class ModelRunner(Prefill, VerifiedPasses):
         # the ids change (a request's context gains a new word every few cycles, not every pass)
         self._context_head: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self._draft_head: torch.Tensor | lowbit.PackedWeight | None = None
+        self._tail_head: torch.Tensor | lowbit.PackedWeight | None = None  # the head's draft-vocabulary columns
         # drafts' weights: the tail path's encoding and decoding groups, packed for speed only (the verifier
         # checks every draft, so their precision changes acceptance, never the output); set by enable_exact
         self.draft_format = lowbit.draft_format(cfg.draft_quant, self.device.type)
@@ -150,26 +151,37 @@ class ModelRunner(Prefill, VerifiedPasses):
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
         self.draft_ids, self._draft_head = (None, None) if ids is None else (ids.to(self.device), None)
+        self._tail_head = None
         self._draft_id_set = None if ids is None else set(ids.tolist())
         self._context_head = None
 
     def draft_head(self) -> torch.Tensor | lowbit.PackedWeight:
-        """The tail head ``[H, N]``: the lm_head's columns of the draft vocabulary, copied once."""
+        """The drafts' head ``[H, N]``: the lm_head's columns of the draft vocabulary in the drafts' format (packed
+        for speed once the verifying path is on: the verifier checks every draft), copied once."""
         if self._draft_head is None:
-            full, ids = self.head, self.draft_ids
             if self.draft_format is not None and self.draft_weights is not self.weights:
                 m = self.model
                 dense = m.lm_head.weight if m.lm_head is not None else m.lm_head_t  # [H, V]
                 assert dense is not None
-                cols = dense if ids is None else dense[:, ids]
+                cols = dense if self.draft_ids is None else dense[:, self.draft_ids]
                 self._draft_head = lowbit.pack(cols.t(), self.draft_format)
-            elif ids is None:
-                self._draft_head = full
-            elif isinstance(full, lowbit.PackedWeight):
-                self._draft_head = full.rows(ids)
             else:
-                self._draft_head = full[:, ids].contiguous()
+                self._draft_head = self.tail_head()
         return self._draft_head
+
+    def tail_head(self) -> torch.Tensor | lowbit.PackedWeight:
+        """The unverified profile's tail head ``[H, N]``: the engine's own lm_head, its columns of the draft
+        vocabulary — never the drafts' packed copy, so a tail token is the same whether or not an exact request ever
+        switched the verifying path on."""
+        if self._tail_head is None:
+            full, ids = self.head, self.draft_ids
+            if ids is None:
+                self._tail_head = full
+            elif isinstance(full, lowbit.PackedWeight):
+                self._tail_head = full.rows(ids)
+            else:
+                self._tail_head = full[:, ids].contiguous()
+        return self._tail_head
 
     def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Positions [n, R] of ``counts[i]`` positions ending at ``last[i]``, right-aligned; valid mask."""
@@ -235,7 +247,7 @@ class ModelRunner(Prefill, VerifiedPasses):
         if ids is None or not tails:
             return self.logits(h)
         if not any_head:
-            small = project(self.model.norm.forward(h), self.draft_head())
+            small = project(self.model.norm.forward(h), self.tail_head())
             out = small.new_full((h.shape[0], self.model.config.vocab_size), float("-inf"))
             out[:, ids] = small
             return out
