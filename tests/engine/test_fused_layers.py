@@ -26,7 +26,13 @@ def _packed_draft_runner(seed: int, num_seqs: int, g: torch.Generator):
                     default_tau=1, eos_token_ids=[], verifier=Verifier("base", "replace", None))
     r = eng.runner
     r.enable_exact()
-    for slot in range(num_seqs):  # each cache row its own pages, in order (row 0: pages 0 ..), as the scheduler gives
+    return r, dmtd, model, _random_kv(r, num_seqs, g)
+
+
+def _random_kv(r, num_seqs: int, g: torch.Generator):
+    """Random KV in every slot's pages of runner ``r`` (each cache row its own pages, in order — row 0: pages 0 .. —
+    as the scheduler gives them); returns a function that puts that KV back."""
+    for slot in range(num_seqs):
         assert r.cache.pages.grow(slot, 64)
     for k, v in r.kv:
         k.copy_(torch.randn(k.shape, generator=g))
@@ -38,7 +44,7 @@ def _packed_draft_runner(seed: int, num_seqs: int, g: torch.Generator):
             k.copy_(k0)
             v.copy_(v0)
 
-    return r, dmtd, model, reset
+    return reset
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -112,27 +118,46 @@ def test_rows_layers_compute_the_layer_loop_for_batches_chunks_and_padding():
     assert torch.equal(both[1], alone[0])
 
 
-def test_rows_layers_give_prompt_rows_their_bits_however_the_calls_split_them():
+def _packed_runner_of(model, num_seqs: int, g: torch.Generator):
+    """A bf16 engine's runner over ``model`` (packed weights, the rows op) with random KV in every slot's pages; and a
+    function that puts that KV back."""
+    from dmtd.engine.config import EngineConfig
+
+    dmtd = DMTDConfig(1, 3, 2, tau_max=4, head_input="replace")
+    eng = LLMEngine(model, None, dmtd, EngineConfig(max_num_seqs=num_seqs, max_model_len=64, dtype="bfloat16"),
+                    default_tau=1, eos_token_ids=[])
+    r = eng.runner
+    return r, dmtd, _random_kv(r, num_seqs, g)
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 16), (3, 1, 64)])
+def test_rows_layers_give_prompt_rows_their_bits_however_the_calls_split_them(heads):
     """A prompt's prefill runs as rows of one call, or of several wherever the scheduler splits it: two slots' 41
     positions each in one call of 82 rows (the norms' and the MLP's rows shared by the threads, the norms eight rows
-    side by side) and the same positions as calls of 5 and of 77 rows, or of 13, 40 and 29, give every row the same
-    bits and write the same KV."""
+    side by side; heads of 64 on an AMX build attend on tiles, blocks of 16 rows) and the same positions as calls of
+    5 and of 77 rows, or of 13, 40 and 29, give every row the same bits and write the same KV. Prompt rows beside
+    decode rows in one call (a check carrying a prompt) keep their bits too, and the check's rows theirs (the
+    kernel's values: test_lowbit.py)."""
     from dmtd.engine.model import StepContext
 
+    nh, nkv, hd = heads
     g = torch.Generator().manual_seed(4)
-    r, dmtd, model, reset = _packed_draft_runner(5, 3, g)
+    model = tiny_model(seed=5, num_heads=nh, num_kv_heads=nkv, head_dim=hd).to(torch.bfloat16)
+    r, dmtd, reset = _packed_runner_of(model, 3, g)
     rows = [(0, p) for p in range(41)] + [(1, p) for p in range(41)]  # (slot, position), in the order of a call
     h = torch.randn(1, len(rows), 64, generator=g)
 
-    def call(part: slice) -> torch.Tensor:
+    def call(part: slice, prompt: bool = True, rows=rows, h=h) -> torch.Tensor:
         slots = torch.tensor([s for s, _ in rows[part]])
         pos = torch.tensor([p for _, p in rows[part]])
         none = torch.empty(0)
         r.cache.sync()  # the page table as the pages hold it
-        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], r.cache.table, slots, pos, None)
+        flags = torch.full(pos.shape, prompt)
+        ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], r.cache.table, slots, pos, None, flags)
         with torch.inference_mode():
-            return model.run_rows(h[:, part], dmtd.decoding_start, dmtd.num_layers, r.kv, ctx, r.draft_weights)
+            return model.run_rows(h[:, part], 0, dmtd.num_layers, r.kv, ctx, r.weights)
 
+    assert model.rows_args(r.weights, r.kv, 0, dmtd.num_layers) is not None
     reset()
     whole = call(slice(None))
     kv_whole = [(k.clone(), v.clone()) for k, v in r.kv]
@@ -141,6 +166,27 @@ def test_rows_layers_give_prompt_rows_their_bits_however_the_calls_split_them():
         parts = torch.cat([call(slice(a, b)) for a, b in zip(cuts, cuts[1:])], dim=1)
         assert torch.equal(parts, whole), cuts
         assert all(torch.equal(k, kw) and torch.equal(v, vw) for (k, v), (kw, vw) in zip(r.kv, kv_whole))
+    reset()
+    decoded = call(slice(None), prompt=False)
+    from dmtd.engine import lowbit
+
+    assert torch.equal(decoded, whole) == (hd != 64 or lowbit.loaded_path() != "amx")  # which kernel ran
+    # a check's rows of slot 2 first, then slot 0's prompt rows: the prompt rows' bits as alone
+    mixed_rows = [(2, 50), (2, 51), *rows[:41]]
+    mixed_h = torch.cat((torch.randn(1, 2, 64, generator=g), h[:, :41]), dim=1)
+    reset()
+    slots = torch.tensor([s for s, _ in mixed_rows])
+    pos = torch.tensor([p for _, p in mixed_rows])
+    flags = torch.tensor([False, False] + [True] * 41)
+    r.cache.sync()
+    none = torch.empty(0)
+    ctx = StepContext(none, none, None, int(pos.max()) + 1, slots[:0], r.cache.table, slots, pos, None, flags)
+    with torch.inference_mode():
+        mixed = model.run_rows(mixed_h, 0, dmtd.num_layers, r.kv, ctx, r.weights)
+    assert torch.equal(mixed[:, 2:], whole[:, :41])
+    reset()
+    check = call(slice(0, 2), prompt=False, rows=mixed_rows, h=mixed_h)
+    assert torch.equal(mixed[:, :2], check)
 
 
 @pytest.mark.parametrize("draft_quant", ["int8", "none"])

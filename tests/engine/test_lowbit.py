@@ -357,6 +357,59 @@ def test_attend_groups_of_a_sequences_rows_and_heads_give_each_row_its_bits_alon
         torch.set_num_threads(threads)
 
 
+def _bf16(x):
+    return x.float().to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize(("nh", "nkv", "hd"), [(9, 3, 64), (8, 2, 64), (4, 1, 32)])
+def test_attend_gives_a_prompts_rows_one_kernel_however_the_prompt_is_cut(nh, nkv, hd):
+    """A prompt's positions flagged (``prompt`` of dmtd::attend and dmtd::rows_layers): on an AMX build with heads of
+    64 they attend on tiles (kernels/attend_amx.h) — softmax attention with q, k, v and the probabilities rounded to
+    bf16, summed in float32 — elsewhere as decode rows do. Either way a row's bits are the same however the prompt is
+    cut into calls and whatever shares the call (a check of another sequence before it, a decode row after), and
+    the decode rows beside them keep theirs."""
+    torch.manual_seed(6)
+    maxlen, n = 320, 300
+    kc, vc = torch.randn(2, nkv, maxlen, hd), torch.randn(2, nkv, maxlen, hd)
+    kp, table = _paged(kc, 16, torch.Generator().manual_seed(2))
+    vp = torch.empty_like(kp)
+    vp[table.flatten()] = vc.view(2, nkv, maxlen // 16, 16, hd).transpose(1, 2).reshape(-1, nkv, 16, hd)
+    slots, lens = torch.ones(n, dtype=torch.long), torch.arange(1, n + 1)  # sequence 1's positions 0 .. 299
+    q = torch.randn(n, nh, hd)
+    flags = torch.ones(n, dtype=torch.bool)
+    s = hd ** -0.5
+    whole = torch.ops.dmtd.attend(q, kp, vp, table, slots, lens, s, flags)
+    as_decode = torch.ops.dmtd.attend(q, kp, vp, table, slots, lens, s)
+    if lowbit.loaded_path() == "amx" and hd == 64:
+        g = nh // nkv
+        ref = torch.empty(n, nh, hd, dtype=torch.float64)
+        for b in range(n):
+            k = _bf16(kc[1, :, : lens[b]]).repeat_interleave(g, 0)
+            v = _bf16(vc[1, :, : lens[b]]).repeat_interleave(g, 0)
+            sc = (k @ _bf16(q[b]).unsqueeze(-1)).squeeze(-1) * s
+            e = torch.exp(sc - sc.amax(-1, keepdim=True))
+            ref[b] = (_bf16(e).unsqueeze(-1) * v).sum(1) / e.sum(-1, keepdim=True)
+        torch.testing.assert_close(whole.double(), ref.reshape(n, nh * hd), rtol=1e-3, atol=1e-3)
+        assert not torch.equal(whole, as_decode)  # the tiles, not the float32 kernel
+        torch.testing.assert_close(whole, as_decode, rtol=0.05, atol=0.05)
+    else:
+        assert torch.equal(whole, as_decode)
+    for cuts in ((0, 1, n), (0, 17, 150, 151, n)):
+        parts = torch.cat([torch.ops.dmtd.attend(q[a:b], kp, vp, table, slots[a:b], lens[a:b], s, flags[a:b])
+                           for a, b in zip(cuts, cuts[1:])])
+        assert torch.equal(parts, whole), cuts
+    cq = torch.randn(3, nh, hd)
+    mixed = torch.ops.dmtd.attend(torch.cat((cq[:2], q[100:140], cq[2:])), kp, vp, table,
+                                  torch.tensor([0, 0] + [1] * 40 + [0]),
+                                  torch.cat((torch.tensor([50, 51]), lens[100:140], torch.tensor([7]))), s,
+                                  torch.tensor([False, False] + [True] * 40 + [False]))
+    assert torch.equal(mixed[2:42], whole[100:140])
+    decode = torch.ops.dmtd.attend(cq, kp, vp, table, torch.tensor([0, 0, 0]), torch.tensor([50, 51, 7]), s)
+    assert torch.equal(mixed[[0, 1, 42]], decode)
+    with pytest.raises(RuntimeError, match="one prompt flag per row"):
+        torch.ops.dmtd.attend(q[:2], kp, vp, table, slots[:2], lens[:2], s, flags[:1])
+
+
 def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
     """The decode loop's attention through dmtd::attend gives the same logits as through torch's ops (float32
     noise apart), one row or a chunk of one sequence (a verified check), and each engine is exact to its own τ = 1."""

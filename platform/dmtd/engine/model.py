@@ -84,6 +84,9 @@ class StepContext:
     write_kv_rows: torch.Tensor  # [N] cache row of each valid new position
     write_pos: torch.Tensor  # [N] its position
     write_rows: torch.Tensor | None  # [N] flat index into B*S of each valid new position (None: all)
+    # [N] bool: which new positions are a prompt's (the rows op attends to them on AMX tiles where it can:
+    # kernels/attend_amx.h); None: none (decode rows, checks, drafts)
+    prompt_rows: torch.Tensor | None = None
 
 
 class LayerWeights(NamedTuple):
@@ -272,7 +275,7 @@ class Transformer(nn.Module):
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         pos = ctx.write_pos
         out = torch.ops.dmtd.rows_layers(x, *cols, ctx.table, cos[pos], sin[pos], ctx.write_kv_rows, pos, cfg.num_heads,
-                                         cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode)
+                                         cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, mode, ctx.prompt_rows)
         if ctx.write_rows is None:
             return out.view(B, S, H)
         res = flat.clone()

@@ -20,14 +20,17 @@ _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s
             "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, int kv_row, int read_len, int nh, int nkv, int hd, "
             "float eps, int mode) -> Tensor")
 # Decode rows through a layer group (row r: position pos[r] of sequence kv_rows[r], its pages table[kv_rows[r]]; float32
-# KV written) in one call.
+# KV written) in one call; ``prompt`` [R] flags a prompt's positions (their attention on AMX tiles where the build has
+# them: kernels/attend_amx.h).
 _LIB.define("rows_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
             "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, Tensor kv_rows, Tensor pos, int nh, int nkv, "
-            "int hd, float eps, int mode) -> Tensor")
+            "int hd, float eps, int mode, Tensor? prompt=None) -> Tensor")
 # Decode rows' attention over the paged float32 KV cache, each row alone (kernels/attend.h): q [B, nh, hd] ->
-# [B, nh*hd].
-_LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor table, Tensor kv_rows, Tensor lens, float scale) -> Tensor")
+# [B, nh*hd]; rows flagged in ``prompt`` (runs of one sequence's consecutive positions) on AMX tiles where the build
+# has them (kernels/attend_amx.h).
+_LIB.define("attend(Tensor q, Tensor kc, Tensor vc, Tensor table, Tensor kv_rows, Tensor lens, float scale, "
+            "Tensor? prompt=None) -> Tensor")
 # Each row's first argmax and its softmax probability (greedy picks and checks): logits [n, N] -> (idx, p).
 _LIB.define("top1(Tensor x) -> (Tensor, Tensor)")
 # The AVX2 products' software prefetch distance in bytes (0: none; kernels/lowbit.cpp); returns the one before.

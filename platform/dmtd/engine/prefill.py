@@ -99,8 +99,10 @@ class Prefill(RunnerPart):
         kv_rows = torch.tensor([seqs[i].kv_row for i in order for _ in range(*rows[i])], device=dev)
         owner = torch.tensor([k for k, i in enumerate(order) for _ in range(*rows[i])], device=dev)
         none = torch.empty(0, device=dev)
+        # a prompt's positions, not a resumed sequence's own tokens (those keep the bits their decode step gave them)
+        prompt = torch.tensor([p < seqs[i].prompt_len for i in order for p in range(*rows[i])], device=dev)
         ctx = StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows, pos,
-                          None)  # rows_layers reads only the rows' cache rows and positions
+                          None, prompt)  # rows_layers reads only the rows' cache rows and positions
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
         h_enc = m.run_rows(x, 0, d.thinking_start, self.kv, ctx, self.weights)
         h_think = m.run_rows(h_enc, d.thinking_start, d.decoding_start, self.kv, ctx, self.weights)
@@ -112,7 +114,7 @@ class Prefill(RunnerPart):
             assert self.verify_kv is not None
             keep = torch.isin(owner, torch.tensor(exact, device=dev))
             vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, kv_rows[:0], ctx.table, kv_rows[keep], pos[keep],
-                               None)
+                               None, prompt[keep])
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),
                                       self.verifier.head_input)
             h = h.clone()

@@ -170,10 +170,13 @@ class VerifiedPasses(RunnerPart):
         pos = torch.tensor(pos_l, device=dev)
         kv_rows = torch.tensor(kv_l, device=dev)
         none = torch.empty(0, device=dev)
+        # the prompts' positions (a resumed sequence's own tokens and the checks' rows are decode rows)
+        is_prompt = torch.tensor([False] * nc + [p < s.prompt_len for s, (a, b) in zip(prompts, spans)
+                                                 for p in range(a, b)], device=dev)
 
         def rows_ctx(keep: torch.Tensor | slice) -> StepContext:
             return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows[keep],
-                               pos[keep], None)
+                               pos[keep], None, is_prompt[keep])
 
         ctx = rows_ctx(slice(None))
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)

@@ -25,6 +25,7 @@
 
 #include "amx.h"
 #include "attend.h"
+#include "attend_amx.h"
 
 namespace {
 
@@ -514,13 +515,58 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return linear(x, w, s, mode).contiguous();
 }
 
+// Rows' attention, row b over keys 0 .. lens[b] − 1 of sequence slots[b]: a prompt's rows (flagged in `prompt`:
+// runs of one sequence's consecutive positions) on AMX tiles where the build has them and heads are of 64
+// (attend_amx.h), every other row — decode rows, checks, a resumed sequence's own tokens — as dmtd_attend computes it.
+void attend_rows(const float* q, const float* kc, const float* vc, const int64_t* tp, int64_t tw, const int64_t* slots,
+                 const int64_t* lens, int64_t B, int64_t nh, int64_t nkv, int64_t P, int64_t hd, float scale, float* out,
+                 const uint8_t* prompt) {
+#if defined(DMTD_AMX)
+  if (prompt != nullptr && hd == dmtd_attend_amx::HD) {
+    std::vector<dmtd_attend_amx::Run> runs;
+    std::vector<int64_t> drows;
+    for (int64_t b = 0; b < B; ++b) {
+      if (!prompt[b]) {
+        drows.push_back(b);
+        continue;
+      }
+      const int64_t pos = lens[b] - 1;
+      if (!runs.empty() && runs.back().slot == slots[b] && runs.back().r0 + runs.back().m == b &&
+          runs.back().p0 + runs.back().m == pos) {
+        ++runs.back().m;
+      } else {
+        runs.push_back({slots[b], b, 1, pos});
+      }
+    }
+    if (!runs.empty()) {
+      dmtd_attend_amx::runs(q, kc, vc, tp, tw, runs, nh, nkv, P, scale, out);
+      const int64_t D = static_cast<int64_t>(drows.size()), qd = nh * hd;
+      if (D > 0) {  // the other rows gathered, attended, put back
+        std::vector<float> dq(static_cast<size_t>(D * qd)), dout(static_cast<size_t>(D * qd));
+        std::vector<int64_t> ds(static_cast<size_t>(D)), dl(static_cast<size_t>(D));
+        for (int64_t j = 0; j < D; ++j) {
+          std::memcpy(dq.data() + j * qd, q + drows[j] * qd, qd * sizeof(float));
+          ds[j] = slots[drows[j]];
+          dl[j] = lens[drows[j]];
+        }
+        dmtd_attend::rows(dq.data(), kc, vc, tp, tw, ds.data(), dl.data(), D, nh, nkv, P, hd, scale, dout.data());
+        for (int64_t j = 0; j < D; ++j) std::memcpy(out + drows[j] * qd, dout.data() + j * qd, qd * sizeof(float));
+      }
+      return;
+    }
+  }
+#endif
+  (void)prompt;
+  dmtd_attend::rows(q, kc, vc, tp, tw, slots, lens, B, nh, nkv, P, hd, scale, out);
+}
+
 at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                             at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                             at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
                             at::TensorList vc, const at::Tensor& table_in, const at::Tensor& cos_in,
                             const at::Tensor& sin_in, const std::vector<int64_t>& rslots, const std::vector<int64_t>& rpos, int64_t nh,
                             int64_t nkv, int64_t hd, double eps_d, int64_t mode,
-                            const char* op) {
+                            const char* op, const std::vector<uint8_t>& prompt = {}) {
   const int64_t R = h_in.size(0), H = h_in.size(1), L = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(R >= 1 && static_cast<int64_t>(rslots.size()) == R && static_cast<int64_t>(rpos.size()) == R, op,
               ": one slot and one position per row");
@@ -576,8 +622,9 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
       }
       std::memcpy(qp + r * qd, yr, qd * sizeof(float));  // the queries, packed [R, nh, hd] for dmtd_attend::rows
     }
-    dmtd_attend::rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), tp, tw, rslots.data(), rlens.data(), R,
-                      nh, nkv, P, hd, scale, att.data_ptr<float>());  // row r: keys 0 .. its own position
+    TORCH_CHECK(prompt.empty() || static_cast<int64_t>(prompt.size()) == R, op, ": one prompt flag per row");
+    attend_rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), tp, tw, rslots.data(), rlens.data(), R, nh, nkv,
+                P, hd, scale, att.data_ptr<float>(), prompt.empty() ? nullptr : prompt.data());  // keys 0 .. its own
     h.add_(project_rows(att, o_w[i], o_s[i], mode));
     rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
     at::Tensor gu = project_rows(x, gu_w[i], gu_s[i], mode);
@@ -609,12 +656,20 @@ at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLi
 
 // Decode rows through a layer group: row r is position positions[r] of sequence slots[r] (a batch's rows, a check's
 // or a refill's chunk of one sequence, or both).
+// An optional [R] tensor of flags as bytes (empty: none given).
+std::vector<uint8_t> prompt_flags(const std::optional<at::Tensor>& flags, int64_t R) {
+  if (!flags.has_value() || !flags->defined()) return {};
+  const at::Tensor f = flags->to(at::kByte).contiguous();
+  TORCH_CHECK(f.numel() == R, "dmtd: one prompt flag per row, got ", f.numel(), " for ", R, " rows");
+  return std::vector<uint8_t>(f.data_ptr<uint8_t>(), f.data_ptr<uint8_t>() + R);
+}
+
 at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                        at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                        at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
                        at::TensorList vc, const at::Tensor& table, const at::Tensor& cos_in,
                        const at::Tensor& sin_in, const at::Tensor& slots_in, const at::Tensor& pos_in, int64_t nh, int64_t nkv, int64_t hd,
-                       double eps_d, int64_t mode) {
+                       double eps_d, int64_t mode, const std::optional<at::Tensor>& prompt_in) {
   TORCH_CHECK(h_in.dim() == 2, "dmtd::rows_layers: h [R, H]");
   const at::Tensor sl = slots_in.to(at::kLong).contiguous(), ps = pos_in.to(at::kLong).contiguous();
   const int64_t R = h_in.size(0);
@@ -622,7 +677,7 @@ at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLis
   std::vector<int64_t> rslots(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + R);
   std::vector<int64_t> rpos(ps.data_ptr<int64_t>(), ps.data_ptr<int64_t>() + R);
   return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, table, cos_in,
-                          sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers");
+                          sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers", prompt_flags(prompt_in, R));
 }
 
 }  // namespace
@@ -693,7 +748,8 @@ std::tuple<at::Tensor, at::Tensor> top1(const at::Tensor& x_in) {
 // Decode rows' attention over the paged float32 KV cache (attend.h): q [B, nh, hd] → [B, nh·hd] float32; row b reads
 // keys 0 .. lens[b] − 1 of sequence slots[b], whose pages are table[slots[b]] in kc/vc [pages, nkv, P, hd].
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table_in,
-                  const at::Tensor& slots_in, const at::Tensor& lens_in, double scale) {
+                  const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
+                  const std::optional<at::Tensor>& prompt_in) {
   TORCH_CHECK(q_in.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(), "dmtd::attend: q [B, nh, hd], kc/vc "
               "[pages, nkv, page_size, hd]");
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
@@ -717,8 +773,9 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor
                   "dmtd::attend: a page of the row's keys is not in the pool");
   }
   at::Tensor out = at::empty({B, nh * hd}, q.options());
-  dmtd_attend::rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), tp, tw, sp, lp, B, nh, nkv, P,
-                    hd, static_cast<float>(scale), out.data_ptr<float>());
+  const std::vector<uint8_t> prompt = prompt_flags(prompt_in, B);
+  attend_rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), tp, tw, sp, lp, B, nh, nkv, P, hd,
+              static_cast<float>(scale), out.data_ptr<float>(), prompt.empty() ? nullptr : prompt.data());
   return out;
 }
 
