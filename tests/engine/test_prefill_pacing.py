@@ -115,6 +115,39 @@ def test_smollm2_prompts_riding_on_checks_give_the_base_models_tokens():
     assert got2[1] == want and got2[0][:24] == ref[0]
 
 
+def test_exact_prompts_drafts_kv_after_the_first_token_is_the_kv_computed_with_it():
+    """The variant's decoding group over exact prompts runs at the next step's start (draft_kv_after_first_token):
+    whole, riding on checks, shared through the prefix cache, copied to a fork, or owed by a request that ends at its
+    first token, every request drafts and accepts what it does with that KV computed in its prefill."""
+    from dmtd.bench.exact_bench import CHATS
+
+    long_a = _long_prompt(50)
+    long_b = long_a[:1] + [{"role": "user", "content": "And rule 9?"}]  # long_a's system prompt: its cached pages
+
+    def run(defer: bool) -> tuple[list[tuple[list[int], int, int, list[int]]], object]:
+        e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=5, align_phases=False, align_checks=False,
+                     draft_kv_after_first_token=defer)
+        ex = [SamplingParams(max_new_tokens=n, exact=True, tau=3, ignore_eos=True) for n in (80, 1, 24)]
+        ids, step = [e.add_request([{"role": "user", "content": CHATS[0]}], ex[0])], 0
+        while e.has_unfinished():
+            if step == 6:
+                ids += [e.add_request(long_a, ex[1]), e.add_request(long_a, ex[2])]
+            if step == 30:
+                ids.append(e.add_request(long_b, ex[2]))
+                ids.append(e.add_request(long_b, ex[2], prefill_with=ids[-1]))
+            e.step()
+            step += 1
+        assert e.scheduler.num_rides >= 1 and e.cache_report()["prefix_hits"] >= 1
+        return [(list(s.token_ids[s.prompt_len:]), s.num_drafted, s.num_accepted, list(s.accepted_by_pos))
+                for s in (e.seqs[r] for r in ids)], e.pass_stats.get("catch_up")
+
+    now, caught = run(False)
+    later, catch_ups = run(True)
+    assert caught is None and catch_ups is not None and catch_ups[0] >= 2
+    assert later == now
+    assert all(drafted > 0 for _, drafted, _, _ in now[2:])
+
+
 def test_without_pacing_a_running_stream_meets_whole_chunks():
     """prefill_pace 0: a prompt arriving beside a stream takes prefill steps of prefill_chunk positions of its own
     (the engine before pacing), and nothing rides."""

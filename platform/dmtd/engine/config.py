@@ -231,6 +231,10 @@ class EngineConfig:
     context_drafts: bool = True
     # with context_drafts: the variant's phrase table (dmtd.engine.phrase_table) is one more such source
     phrase_drafts: bool = True
+    # exact profile, prompts as rows: the variant's decoding group over an exact prompt (the KV its drafts read, not
+    # its output) runs at the start of the next step, after the prompt's first token is out (~a fifth of an exact
+    # prefill's layers; dmtd.engine.prefill.Prefill.catch_up)
+    draft_kv_after_first_token: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:

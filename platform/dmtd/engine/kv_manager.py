@@ -12,6 +12,7 @@ them (``tests/engine/test_kv_ownership.py``). The runner only reads them and the
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from dmtd.engine.config import ConfigError
 from dmtd.engine.kv_pages import KVPages, pages_for
@@ -41,6 +42,8 @@ class KVCacheManager:
             self.pages.evictor = self.prefix.evict
         self._free_rows = list(range(num_rows))
         heapq.heapify(self._free_rows)
+        # called with a sequence before its row and pages go (the runner writes KV it still owes them)
+        self.before_release: Callable[[Sequence], None] | None = None
 
     @property
     def num_free_rows(self) -> int:
@@ -187,6 +190,8 @@ class KVCacheManager:
         """``seq`` lets its row and pages go (its published chunks stay cached)."""
         if seq.kv_row < 0:
             return
+        if self.before_release is not None:
+            self.before_release(seq)
         self.pages.shrink(seq.kv_row, 0)
         heapq.heappush(self._free_rows, seq.kv_row)
         seq.kv_row = -1

@@ -53,6 +53,8 @@ class LLMEngine:
                                    self.cfg.prefix_caching, self.runner.cache.pages,
                                    self.runner.cache.page_size if self.rows_prefill else None,
                                    self.cfg.long_prefill_tokens)
+        # an exact prompt's drafts' KV the runner deferred past its first token is written before its pages go
+        self.scheduler.kv.before_release = self._catch_up_for
         self.pacer = PrefillPacer(self.cfg.prefill_pace)  # how much prompt a step takes while others decode
         self.default_tau = default_tau or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)
@@ -151,6 +153,10 @@ class LLMEngine:
             self.scheduler.add(kid)
         return True
 
+    def _catch_up_for(self, seq: Sequence) -> None:
+        if self.runner.owes_draft_kv(seq):
+            self.runner.catch_up()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -175,6 +181,8 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule a batch, run its passes, postprocess their tokens into per-request outputs."""
+        if self.runner.deferred:  # the drafts' KV of the exact prompts the last step gave a first token
+            self.timed("catch_up", lambda _: self.runner.catch_up(), [])
         t_step = time.perf_counter()
         sched = self.scheduler
         sched.free_split = self.rows_prefill
@@ -214,6 +222,8 @@ class LLMEngine:
         token (and their forks theirs)."""
         if not done:
             return []
+        if self.forks.waiting:  # siblings copy the prompt's KV: all of it
+            self.runner.catch_up()
         out, logits = self.forks.fork(SchedulerOutput(prefill=done), torch.cat(rows), self.scheduler,
                                       self.runner.cache)
         results = self._sampled(out, logits)

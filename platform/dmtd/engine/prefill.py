@@ -5,6 +5,9 @@ as its pass kinds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from dmtd.engine.model import StepContext, route_decoding_input
@@ -12,10 +15,70 @@ from dmtd.engine.runner_part import RunnerPart
 from dmtd.engine.sequence import Sequence
 
 
+class DeferredRows(NamedTuple):
+    """Exact prompts' rows whose pass through the variant's decoding group waits for :meth:`Prefill.catch_up`."""
+
+    seqs: list[Sequence]  # whose rows they are
+    x: torch.Tensor  # [n, H] the decoding group's input (head-routed by the phase rules)
+    kv_rows: torch.Tensor  # [n] each row's cache row
+    pos: torch.Tensor  # [n] its position
+    prompt: torch.Tensor  # [n] whether it is a prompt's position (not a resumed sequence's own token)
+
+
 class Prefill(RunnerPart):
-    """Prompt prefill (mixed into the runner, whose model, caches and contexts it uses)."""
+    """Prompt prefill (mixed into the runner, whose model, caches and contexts it uses).
+
+    An exact request's output comes from the verifier's decoding group; the variant's (the KV its drafts read) over
+    its prompt waits, where ``draft_kv_after_first_token`` says so, until :meth:`catch_up` at the start of the next
+    step: the first token goes out a fifth of the prefill's layers sooner. Nothing reads that KV before: the request
+    drafts from its next step on, a prompt sharing its pages is an exact one (the prefix cache keys the profile)
+    whose own deferred rows run after it in the same call, and the engine catches up before a row's pages are freed
+    or copied (:meth:`owes_draft_kv`)."""
 
     rows_promised = False  # rows_prefill() said yes: the engine relies on it
+    deferred: list[DeferredRows]
+
+    def defer(self, seqs: list[Sequence], x: torch.Tensor, kv_rows: torch.Tensor, pos: torch.Tensor,
+              prompt: torch.Tensor) -> None:
+        self.deferred.append(DeferredRows(seqs, x, kv_rows, pos, prompt))
+
+    def owes_draft_kv(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has rows waiting for :meth:`catch_up`."""
+        return any(s is seq for d in self.deferred for s in d.seqs)
+
+    @torch.inference_mode()
+    def catch_up(self) -> torch.Tensor:
+        """The deferred rows through the variant's decoding group, in one rows call (each row computed alone: the
+        bits it would have had in the pass it was taken from); their outputs [1, n, H] (nobody reads them)."""
+        if not self.deferred:
+            return torch.empty(1, 0, self.model.config.hidden_size, device=self.device)
+        todo, self.deferred = self.deferred, []
+        m, d, dev = self.model, self.dmtd, self.device
+        self.cache.sync()
+        kv_rows, pos = torch.cat([t.kv_rows for t in todo]), torch.cat([t.pos for t in todo])
+        none = torch.empty(0, device=dev)
+        ctx = StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows, pos, None,
+                          torch.cat([t.prompt for t in todo]))
+        return m.run_rows(torch.cat([t.x for t in todo])[None], d.decoding_start, d.num_layers, self.kv, ctx,
+                          self.weights)
+
+    def _tail_rows(self, x: torch.Tensor, exact: torch.Tensor, seqs: list[Sequence],
+                   ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor:
+        """The variant's decoding group over rows ``x`` [1, n, H]: now for every row, or, where
+        ``draft_kv_after_first_token`` says so, now for the rows not in ``exact`` [n] and at :meth:`catch_up` for
+        those (of ``seqs``; their outputs here are left unset: the verifier's are theirs). ``ctx_of(keep)``: the
+        rows' context."""
+        m, d = self.model, self.dmtd
+        if not (self.cfg.draft_kv_after_first_token and bool(exact.any())):
+            return m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx_of(slice(None)), self.weights)
+        full = ctx_of(slice(None))
+        assert full.prompt_rows is not None
+        self.defer(seqs, x[0, exact], full.write_kv_rows[exact], full.write_pos[exact], full.prompt_rows[exact])
+        h = x.new_empty(x.shape)
+        rest = ~exact
+        if bool(rest.any()):
+            h[:, rest] = m.run_rows(x[:, rest], d.decoding_start, d.num_layers, self.kv, ctx_of(rest), self.weights)
+        return h
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -101,24 +164,26 @@ class Prefill(RunnerPart):
         none = torch.empty(0, device=dev)
         # a prompt's positions, not a resumed sequence's own tokens (those keep the bits their decode step gave them)
         prompt = torch.tensor([p < seqs[i].prompt_len for i in order for p in range(*rows[i])], device=dev)
-        ctx = StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows, pos,
-                          None, prompt)  # rows_layers reads only the rows' cache rows and positions
+        def ctx_of(keep: torch.Tensor | slice) -> StepContext:  # rows_layers reads only the rows' cache rows and
+            return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows[keep],
+                               pos[keep], None, prompt[keep])  # positions
+
+        ctx = ctx_of(slice(None))
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
         h_enc = m.run_rows(x, 0, d.thinking_start, self.kv, ctx, self.weights)
         h_think = m.run_rows(h_enc, d.thinking_start, d.decoding_start, self.kv, ctx, self.weights)
         head = torch.cat([self._heads(seqs[i], torch.arange(*rows[i], device=dev)) for i in order])[None]
-        h = m.run_rows(route_decoding_input(h_enc, h_think, head, d.head_input), d.decoding_start, d.num_layers,
-                       self.kv, ctx, self.weights)
         exact = [k for k, i in enumerate(order) if seqs[i].params.exact]
+        keep = torch.isin(owner, torch.tensor(exact, dtype=torch.long, device=dev))
+        h = self._tail_rows(route_decoding_input(h_enc, h_think, head, d.head_input), keep,
+                            [seqs[order[k]] for k in exact], ctx_of)
         if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
             assert self.verify_kv is not None
-            keep = torch.isin(owner, torch.tensor(exact, device=dev))
-            vctx = StepContext(ctx.cos, ctx.sin, None, ctx.read_len, kv_rows[:0], ctx.table, kv_rows[keep], pos[keep],
-                               None, prompt[keep])
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),
                                       self.verifier.head_input)
             h = h.clone()
-            h[:, keep] = m.run_rows(xv, d.decoding_start, d.num_layers, self.verify_kv, vctx, self.verify_weights)
+            h[:, keep] = m.run_rows(xv, d.decoding_start, d.num_layers, self.verify_kv, ctx_of(keep),
+                                    self.verify_weights)
         ends = torch.cumsum(torch.tensor([rows[i][1] - rows[i][0] for i in order]), 0) - 1
         return {i: h[:, int(ends[k])] for k, i in enumerate(order)}
 

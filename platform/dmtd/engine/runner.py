@@ -71,6 +71,7 @@ class ModelRunner(Prefill, VerifiedPasses):
         self._draft_id_set: set[int] | None = None
         self.pass_draft_ids: torch.Tensor | None = None  # the last draft pass's: draft_ids + its rows' context ids
         self.prompt_logits = torch.empty(0)  # the last check pass's riding prompts' logits (verify)
+        self.deferred = []  # exact prompts' rows awaiting the variant's decoding group (Prefill.catch_up)
         # the context ids last added (sorted), draft_ids + them, and their head columns [H, E]: rebuilt only when
         # the ids change (a request's context gains a new word every few cycles, not every pass)
         self._context_head: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None

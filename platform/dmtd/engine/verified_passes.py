@@ -3,6 +3,7 @@ a check. A part of :class:`dmtd.engine.runner.ModelRunner`, kept apart so the ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,8 @@ class VerifiedPasses(RunnerPart):
     if TYPE_CHECKING:  # the runner's own, and the prefill part's
         def draft_head(self) -> torch.Tensor | lowbit.PackedWeight: ...
         def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor: ...
+        def _tail_rows(self, x: torch.Tensor, exact: torch.Tensor, seqs: list[Sequence],
+                       ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor: ...
         def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     @torch.inference_mode()
@@ -188,11 +191,13 @@ class VerifiedPasses(RunnerPart):
         ones = torch.ones((1, len(ids)), dtype=torch.bool, device=dev)
         xv = route_decoding_input(h_enc[:, exact], h_think[:, exact], ones[:, exact], self.verifier.head_input)
         hv = m.run_rows(xv, d.decoding_start, d.num_layers, self.verify_kv, rows_ctx(exact), self.verify_weights)
-        # the variant's decoding group over the prompts' rows (the tails read their KV), heads by the phase rules
+        # the variant's decoding group over the prompts' rows (the tails read their KV), heads by the phase rules;
+        # an exact prompt's at the next step's start (Prefill.catch_up)
         prompt = slice(nc, None)
         head = torch.cat([self._heads(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
-        hp = m.run_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
-                        d.decoding_start, d.num_layers, self.kv, rows_ctx(prompt), self.weights)
+        hp = self._tail_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
+                             exact[nc:], [s for s in prompts if s.params.exact],
+                             lambda keep: rows_ctx(torch.arange(nc, len(ids), device=dev)[keep]))
         out = h_enc.new_empty(h_enc.shape)
         out[:, prompt] = hp
         out[:, exact] = hv
