@@ -62,20 +62,21 @@ class Prefill(RunnerPart):
         return m.run_rows(torch.cat([t.x for t in todo])[None], d.decoding_start, d.num_layers, self.kv, ctx,
                           self.weights)
 
-    def _tail_rows(self, x: torch.Tensor, exact: torch.Tensor, seqs: list[Sequence],
+    def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence],
                    ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor:
         """The variant's decoding group over rows ``x`` [1, n, H]: now for every row, or, where
-        ``draft_kv_after_first_token`` says so, now for the rows not in ``exact`` [n] and at :meth:`catch_up` for
-        those (of ``seqs``; their outputs here are left unset: the verifier's are theirs). ``ctx_of(keep)``: the
-        rows' context."""
+        ``draft_kv_after_first_token`` says so, now for the rows not in ``late`` [n] — the last rows of exact prompts
+        whose first token this pass gives (of ``seqs``) — and at :meth:`catch_up` for those (their outputs here are
+        left unset: the verifier's are theirs). A long prompt's earlier pieces keep theirs in their own pass: their
+        cost is what the prefill pacer measured and budgeted. ``ctx_of(keep)``: the rows' context."""
         m, d = self.model, self.dmtd
-        if not (self.cfg.draft_kv_after_first_token and bool(exact.any())):
+        if not (self.cfg.draft_kv_after_first_token and bool(late.any())):
             return m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx_of(slice(None)), self.weights)
         full = ctx_of(slice(None))
         assert full.prompt_rows is not None
-        self.defer(seqs, x[0, exact], full.write_kv_rows[exact], full.write_pos[exact], full.prompt_rows[exact])
+        self.defer(seqs, x[0, late], full.write_kv_rows[late], full.write_pos[late], full.prompt_rows[late])
         h = x.new_empty(x.shape)
-        rest = ~exact
+        rest = ~late
         if bool(rest.any()):
             h[:, rest] = m.run_rows(x[:, rest], d.decoding_start, d.num_layers, self.kv, ctx_of(rest), self.weights)
         return h
@@ -175,8 +176,10 @@ class Prefill(RunnerPart):
         head = torch.cat([self._heads(seqs[i], torch.arange(*rows[i], device=dev)) for i in order])[None]
         exact = [k for k, i in enumerate(order) if seqs[i].params.exact]
         keep = torch.isin(owner, torch.tensor(exact, dtype=torch.long, device=dev))
-        h = self._tail_rows(route_decoding_input(h_enc, h_think, head, d.head_input), keep,
-                            [seqs[order[k]] for k in exact], ctx_of)
+        late = [k for k in exact if seqs[order[k]].prefill_end == seqs[order[k]].num_tokens]  # first token due
+        h = self._tail_rows(route_decoding_input(h_enc, h_think, head, d.head_input),
+                            torch.isin(owner, torch.tensor(late, dtype=torch.long, device=dev)),
+                            [seqs[order[k]] for k in late], ctx_of)
         if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
             assert self.verify_kv is not None
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),

@@ -33,7 +33,7 @@ class VerifiedPasses(RunnerPart):
     if TYPE_CHECKING:  # the runner's own, and the prefill part's
         def draft_head(self) -> torch.Tensor | lowbit.PackedWeight: ...
         def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor: ...
-        def _tail_rows(self, x: torch.Tensor, exact: torch.Tensor, seqs: list[Sequence],
+        def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence],
                        ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor: ...
         def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -195,8 +195,10 @@ class VerifiedPasses(RunnerPart):
         # an exact prompt's at the next step's start (Prefill.catch_up)
         prompt = slice(nc, None)
         head = torch.cat([self._heads(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
+        late = [s for s, (a, b) in zip(prompts, spans) if s.params.exact and b == s.num_tokens]  # first token due
         hp = self._tail_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
-                             exact[nc:], [s for s in prompts if s.params.exact],
+                             torch.tensor([any(s is t for t in late) for s, (a, b) in zip(prompts, spans)
+                                           for _ in range(a, b)], dtype=torch.bool, device=dev), late,
                              lambda keep: rows_ctx(torch.arange(nc, len(ids), device=dev)[keep]))
         out = h_enc.new_empty(h_enc.shape)
         out[:, prompt] = hp
