@@ -62,14 +62,18 @@ class Prefill(RunnerPart):
         return m.run_rows(torch.cat([t.x for t in todo])[None], d.decoding_start, d.num_layers, self.kv, ctx,
                           self.weights)
 
-    def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence],
+    def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence], exact_now: bool,
                    ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor:
         """The variant's decoding group over rows ``x`` [1, n, H]: now for every row, or, where
         ``draft_kv_after_first_token`` says so, now for the rows not in ``late`` [n] — the last rows of exact prompts
         whose first token this pass gives (of ``seqs``) — and at :meth:`catch_up` for those (their outputs here are
         left unset: the verifier's are theirs). A long prompt's earlier pieces keep theirs in their own pass: their
-        cost is what the prefill pacer measured and budgeted. ``ctx_of(keep)``: the rows' context."""
+        cost is what the prefill pacer measured and budgeted. ``exact_now``: rows of exact prompts run now (they may
+        read an earlier pass's deferred rows through shared pages: those are caught up first). ``ctx_of(keep)``: the
+        rows' context."""
         m, d = self.model, self.dmtd
+        if exact_now:
+            self.catch_up()
         if not (self.cfg.draft_kv_after_first_token and bool(late.any())):
             return m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx_of(slice(None)), self.weights)
         full = ctx_of(slice(None))
@@ -165,9 +169,10 @@ class Prefill(RunnerPart):
         none = torch.empty(0, device=dev)
         # a prompt's positions, not a resumed sequence's own tokens (those keep the bits their decode step gave them)
         prompt = torch.tensor([p < seqs[i].prompt_len for i in order for p in range(*rows[i])], device=dev)
-        def ctx_of(keep: torch.Tensor | slice) -> StepContext:  # rows_layers reads only the rows' cache rows and
+
+        def ctx_of(keep: torch.Tensor | slice) -> StepContext:  # rows_layers reads the rows' cache rows and positions
             return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows[keep],
-                               pos[keep], None, prompt[keep])  # positions
+                               pos[keep], None, prompt[keep])
 
         ctx = ctx_of(slice(None))
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
@@ -179,7 +184,7 @@ class Prefill(RunnerPart):
         late = [k for k in exact if seqs[order[k]].prefill_end == seqs[order[k]].num_tokens]  # first token due
         h = self._tail_rows(route_decoding_input(h_enc, h_think, head, d.head_input),
                             torch.isin(owner, torch.tensor(late, dtype=torch.long, device=dev)),
-                            [seqs[order[k]] for k in late], ctx_of)
+                            [seqs[order[k]] for k in late], len(late) < len(exact), ctx_of)
         if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
             assert self.verify_kv is not None
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),

@@ -33,7 +33,7 @@ class VerifiedPasses(RunnerPart):
     if TYPE_CHECKING:  # the runner's own, and the prefill part's
         def draft_head(self) -> torch.Tensor | lowbit.PackedWeight: ...
         def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor: ...
-        def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence],
+        def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence], exact_now: bool,
                        ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor: ...
         def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -199,6 +199,7 @@ class VerifiedPasses(RunnerPart):
         hp = self._tail_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
                              torch.tensor([any(s is t for t in late) for s, (a, b) in zip(prompts, spans)
                                            for _ in range(a, b)], dtype=torch.bool, device=dev), late,
+                             any(s.params.exact and b < s.num_tokens for s, (a, b) in zip(prompts, spans)),
                              lambda keep: rows_ctx(torch.arange(nc, len(ids), device=dev)[keep]))
         out = h_enc.new_empty(h_enc.shape)
         out[:, prompt] = hp
