@@ -38,10 +38,6 @@ class Prefill(RunnerPart):
     rows_promised = False  # rows_prefill() said yes: the engine relies on it
     deferred: list[DeferredRows]
 
-    def defer(self, seqs: list[Sequence], x: torch.Tensor, kv_rows: torch.Tensor, pos: torch.Tensor,
-              prompt: torch.Tensor) -> None:
-        self.deferred.append(DeferredRows(seqs, x, kv_rows, pos, prompt))
-
     def owes_draft_kv(self, seq: Sequence) -> bool:
         """Whether ``seq`` has rows waiting for :meth:`catch_up`."""
         return any(s is seq for d in self.deferred for s in d.seqs)
@@ -78,7 +74,8 @@ class Prefill(RunnerPart):
             return m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx_of(slice(None)), self.weights)
         full = ctx_of(slice(None))
         assert full.prompt_rows is not None
-        self.defer(seqs, x[0, late], full.write_kv_rows[late], full.write_pos[late], full.prompt_rows[late])
+        self.deferred.append(DeferredRows(seqs, x[0, late], full.write_kv_rows[late], full.write_pos[late],
+                                          full.prompt_rows[late]))
         h = x.new_empty(x.shape)
         rest = ~late
         if bool(rest.any()):

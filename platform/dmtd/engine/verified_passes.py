@@ -195,10 +195,10 @@ class VerifiedPasses(RunnerPart):
         # an exact prompt's at the next step's start (Prefill.catch_up)
         prompt = slice(nc, None)
         head = torch.cat([self._heads(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
-        late = [s for s, (a, b) in zip(prompts, spans) if s.params.exact and b == s.num_tokens]  # first token due
+        due = [s.params.exact and b == s.num_tokens for s, (a, b) in zip(prompts, spans)]  # first token due
         hp = self._tail_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
-                             torch.tensor([any(s is t for t in late) for s, (a, b) in zip(prompts, spans)
-                                           for _ in range(a, b)], dtype=torch.bool, device=dev), late,
+                             torch.tensor([f for f, (a, b) in zip(due, spans) for _ in range(a, b)], dtype=torch.bool,
+                                          device=dev), [s for s, f in zip(prompts, due) if f],
                              any(s.params.exact and b < s.num_tokens for s, (a, b) in zip(prompts, spans)),
                              lambda keep: rows_ctx(torch.arange(nc, len(ids), device=dev)[keep]))
         out = h_enc.new_empty(h_enc.shape)
