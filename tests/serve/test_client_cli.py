@@ -34,6 +34,8 @@ def test_min_block_tokens_rechunks_the_stream(stack):
         chunked = list(c.generate(prompt="The rain in Spain", max_new_tokens=20, tau_min=1, tau_max=1,
                                   min_confidence=0.0, ignore_eos=True, min_block_tokens=5))
     assert [t for b in chunked for t in b.token_ids] == [t for b in plain for t in b.token_ids]
-    assert len(plain) == 20 and [len(b.token_ids) for b in chunked] == [5, 5, 5, 5]
+    # plain: a message per stream interval (the stack's default, 40 ms), each one or more cycles of τ = 1
+    assert sum(b.k for b in plain) == 20 and all(b.k >= 1 for b in plain)
+    assert all(len(b.token_ids) >= 5 for b in chunked[:-1]) and len(chunked) <= 4
     assert "".join(b.text for b in chunked) == "".join(b.text for b in plain)
     assert chunked[-1].finish_reason and chunked[-1].usage.completion_tokens == 20

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import time
 from typing import Any
 
 import grpc
@@ -325,3 +326,75 @@ def test_a_sink_that_cannot_be_reached_is_not_retried_at_once():
 
     errors, connected = asyncio.run(scenario())
     assert errors[0] == errors[1] and "ConnectionRefusedError" in errors[0] and connected
+
+
+def _timed_writes(rep: DMTDReplica) -> list[tuple[float, list[int]]]:
+    """Each frame the replica writes, as (when, its blocks' indices)."""
+    frames: list[tuple[float, list[int]]] = []
+    real = rep.pusher.write_groups
+
+    def timed(address: str, groups: list[tuple[str, list[Block]]]) -> Any:
+        frames.extend((time.perf_counter(), [b.block_index for b in blocks]) for _, blocks in groups)
+        return real(address, groups)
+
+    rep.pusher.write_groups = timed  # type: ignore[method-assign]
+    return frames
+
+
+async def _through_slowed(interval_ms: float, rid: str, n: int, delay: Any
+                         ) -> tuple[list[Block], list[tuple[float, list[int]]], list[float]]:
+    """One pushed request through the core, on a replica with ``stream_interval_ms`` whose engine sleeps
+    ``delay(k)`` seconds before its k-th step: its blocks, the frames written, and when each step began."""
+    rep = make_replica(stream_interval_ms=interval_ms)
+    real_step = rep.loop.engine.step
+    starts: list[float] = []
+
+    def slowed() -> Any:
+        starts.append(time.perf_counter())
+        time.sleep(delay(len(starts)))
+        return real_step()
+
+    rep.loop.engine.step = slowed  # type: ignore[method-assign]
+    sink = await BlockSink("127.0.0.1").start()
+    core, _ = _core(rep, sink)
+    frames = _timed_writes(rep)
+    got = await _through(core, req(rid, n))
+    await sink.stop()
+    return got, frames, starts
+
+
+def test_pushed_blocks_go_out_once_per_stream_interval_and_the_client_gets_one_block_a_frame():
+    """With a stream interval, a pushed request's first block is written at once and the rest at most once per
+    interval (every step's blocks in between in one frame; the last at once); the gateway sends each frame as
+    one block: the same tokens, text and usage as the replica's per-cycle stream, in fewer messages."""
+    interval_ms = 60.0
+
+    async def scenario():
+        direct = await collect(make_replica(), req("direct", 40))  # generate(): one block per cycle, no interval
+        # steps of ~8 ms: several fall in an interval, as decode steps do on a CPU
+        got, frames, _ = await _through_slowed(interval_ms, "held", 40, lambda _: 0.008)
+        return direct, got, frames
+
+    direct, got, frames = asyncio.run(scenario())
+    assert [t for b in got for t in b.token_ids] == [t for b in direct for t in b.token_ids]
+    assert "".join(b.text for b in got) == "".join(b.text for b in direct)
+    assert got[-1].finish_reason == "length" and got[-1].usage.completion_tokens == 40
+    assert got[-1].usage.blocks == len(direct)  # the usage counts the engine's blocks, not the messages
+    assert len(got) == len(frames) < len(direct)  # one message a frame, fewer than the cycles
+    assert frames[0][1] == [0] and [i for _, idx in frames for i in idx] == list(range(len(direct)))
+    gaps = [(b[0] - a[0]) * 1e3 for a, b in zip(frames, frames[1:-1], strict=False)]
+    assert gaps and min(gaps) >= interval_ms * 0.95  # (the last frame goes as soon as its block is ready)
+    assert max(len(idx) for _, idx in frames) > 1
+
+
+def test_held_blocks_go_out_when_the_steps_stall():
+    """A block held for the interval is written by a timer when the next step is late (a long prompt's pass),
+    at most an interval after it was due, not when that step ends."""
+    interval_ms = 80.0
+    # the 7th step takes 0.8 s, with block 1 (τ = 3: steps 4 to 6) held
+    got, frames, starts = asyncio.run(_through_slowed(interval_ms, "stalled", 16, lambda k: 0.8 if k == 7 else 0.0))
+    t0, t1 = starts[6], starts[6] + 0.8
+    assert sum(b.k for b in got) == 16 and got[-1].finish_reason == "length"
+    # (the frames written as the slow step began are the step before's, which the event loop consumes then)
+    during = [t for t, idx in frames if t0 + 0.05 < t < t1]
+    assert during and during[0] - frames[0][0] <= 2 * interval_ms / 1e3 + 0.1  # the timer's frame, not the step's

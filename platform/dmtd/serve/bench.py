@@ -68,7 +68,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
                         "engine run), stack_efficiency_paired (median over the repeats of each stack run over the "
-                        "engine run right after it) and engine TTFT")
+                        "engine run beside it; the pairs alternate which runs first) and engine TTFT. This host's "
+                        "speed drifts by 10-20 %% within seconds: short runs and many repeats pair best, e.g. "
+                        "--requests-per-worker 2 --repeats 12")
 
 
 def _record(t0: float, arrivals: list[tuple[float, int]]) -> dict[str, Any]:
@@ -180,6 +182,21 @@ def open_loop(target: str, policy: str, rate: float, count: int, max_new: int, s
     return results, time.perf_counter() - t0
 
 
+def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One closed-loop run of ``--compare-engine``'s in-process engine: the stack row's workload, summarised the
+    same way, with its CPU and step time per token."""
+    from dmtd.serve.engine_compare import engine_closed_loop
+
+    c0 = cpu_snapshot()["client"]
+    eres, ewall = engine_closed_loop(engine, cfg, POLICIES[policy], n, args.requests_per_worker, args.max_new_tokens,
+                                     PROMPTS, ctl)
+    e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
+    e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
+    for k in ("step_ms", "step_cpu_ms"):  # the stack's engine_step / engine_step_cpu stages
+        e[f"{k}_per_token"] = sum(x[k] for x in eres) / max(e["tokens"], 1)
+    return e
+
+
 def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
     if getattr(args, "against", None) is not None:
         from dmtd.serve.vllm_anchor import run_against
@@ -254,7 +271,11 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
         for policy, n in tqdm(jobs, desc="bench serve", unit="run"):
             tries: list[dict[str, Any]] = []
             engine_tries: list[dict[str, Any]] = []
-            for _ in range(max(1, args.repeats) if n > 0 else 1):  # stack and engine in turn, R times each
+            # stack and engine in turn, R times each; the pairs alternate which goes first (stack then engine,
+            # engine then stack, …), so that a machine whose speed drifts within a pair favours neither side
+            for rep in range(max(1, args.repeats) if n > 0 else 1):
+                if engine is not None and n > 0 and rep % 2 == 1:
+                    engine_tries.append(_engine_run(engine, engine_cfg, engine_ctl, policy, n, args))
                 tag = f"bench-{policy}-n{n}-{uuid.uuid4().hex[:8]}"
                 if n > 0:
                     cpu0 = cpu_snapshot() if started else None
@@ -270,16 +291,8 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
                     if cpu0 and cpu1:
                         t["cpu_ms_per_token"] = cpu_per_token(cpu0, cpu1, t["tokens"])
                 tries.append(t)
-                if engine is not None and n > 0:
-                    c0 = cpu_snapshot()["client"]
-                    eres, ewall = engine_closed_loop(engine, engine_cfg, POLICIES[policy], n,
-                                                     args.requests_per_worker, args.max_new_tokens, PROMPTS,
-                                                     engine_ctl)
-                    e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
-                    e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
-                    for k in ("step_ms", "step_cpu_ms"):  # the stack's engine_step / engine_step_cpu stages
-                        e[f"{k}_per_token"] = sum(x[k] for x in eres) / max(e["tokens"], 1)
-                    engine_tries.append(e)
+                if engine is not None and n > 0 and rep % 2 == 0:
+                    engine_tries.append(_engine_run(engine, engine_cfg, engine_ctl, policy, n, args))
             row = max(tries, key=lambda r: r["tokens_per_s"])  # best of the repeats, as bench engine reports
             if len(tries) > 1:
                 row["repeats_tokens_per_s"] = [r["tokens_per_s"] for r in tries]

@@ -1,10 +1,12 @@
 """Delivering a step's blocks, the second half of a replica's engine loop (``engine_loop.EngineLoop``): each
 request's step output becomes a ``Block`` (its text, timings, usage when it finishes) that goes to the request's
-queue, or, for a request pushed to the gateway's block sink, into the step's outbox, written to each sink in one
-frame per step. Runs on the event loop, never on the engine's thread."""
+queue, or, for a request pushed to the gateway's block sink, is held until its stream interval has passed and
+then written with the step's other due frames to each sink in one write. Runs on the event loop, never on the
+engine's thread."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -28,7 +30,8 @@ class BlockDelivery:
     telemetry: ReplicaTelemetry | None
     live: dict[str, Live]
     pusher: BlockPusher | None
-    _outbox: dict[str, list[tuple[Live, Block]]]
+    _holding: dict[str, Live]
+    _flush_timer: asyncio.TimerHandle | None
 
     def _fail(self, rid: str, error: BaseException, reason: str = "error") -> None:
         raise NotImplementedError
@@ -89,25 +92,45 @@ class BlockDelivery:
             if self.telemetry is not None:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
         if live.push is not None:
-            self._outbox.setdefault(live.push[0], []).append((live, block))
+            live.held.append((now, block))
+            self._holding[o.req_id] = live
         else:
             live.ready.append(now)
             live.queue.put_nowait(block)
         if o.finished:
             live.last.set()
 
-    def _flush(self, step_end: float) -> None:
-        """Write this step's pushed blocks: every request's frame to a sink in one write. A request whose sink
-        connection is gone (or whose write failed) streams its blocks through its call from here on; one whose
-        blocks cannot be encoded fails alone."""
-        outbox, self._outbox = self._outbox, {}
-        for address, items in outbox.items():
-            now, sent = time.perf_counter(), time.time()
-            by_request: dict[int, tuple[Live, list[Block]]] = {}
-            for live, block in items:
-                block.dispatch_ms, block.sent_s = (now - step_end) * 1e3, sent
-                by_request.setdefault(id(live), (live, []))[1].append(block)
-            groups = [(lv, blocks) for lv, blocks in by_request.values() if lv.push is not None]
+    def _flush(self) -> None:
+        """Write the pushed blocks that are due, every due request's frame to a sink in one write: a request's
+        first block and its last at once, the others once its stream interval has passed since its last frame
+        (checked after every step; the blocks of the steps in between go together, as the streamed path's
+        lists do). A timer writes held blocks when the steps stall (a long prompt's pass), at most an interval
+        late. A request whose sink connection is gone (or whose write failed) streams its blocks through its
+        call from here on; one whose blocks cannot be encoded fails alone."""
+        self._flush_timer = None
+        now, sent = time.perf_counter(), time.time()
+        outbox: dict[str, list[tuple[Live, list[Block]]]] = {}
+        wake: float | None = None
+        for rid, live in list(self._holding.items()):
+            held = live.held
+            if not held or live.push is None:
+                del self._holding[rid]
+                continue
+            if held[0][1].block_index == 0 or held[-1][1].finish_reason or now - live.t_sent >= live.interval_s:
+                blocks = []
+                for ready, block in held:
+                    block.dispatch_ms, block.sent_s = (now - ready) * 1e3, sent
+                    blocks.append(block)
+                outbox.setdefault(live.push[0], []).append((live, blocks))
+                live.held, live.t_sent = [], now
+                del self._holding[rid]
+            else:
+                due = live.t_sent + 2 * live.interval_s
+                wake = due if wake is None else min(wake, due)
+        if wake is not None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(max(0.0, wake - now), self._flush)
+        for address, groups in outbox.items():
             try:
                 failed = None if self.pusher is None else self.pusher.write_groups(
                     address, [(lv.push[1], blocks) for lv, blocks in groups])  # type: ignore[index]
@@ -125,7 +148,7 @@ class BlockDelivery:
                                 self.replica_name, address, live.req.request_id)
                     live.push = None
                     for block in blocks:
-                        live.ready.append(step_end)
+                        live.ready.append(now - block.dispatch_ms / 1e3)  # when it was ready
                         live.queue.put_nowait(block)
 
     def _end_pushed(self, live: Live, error: BaseException) -> None:

@@ -52,6 +52,9 @@ class Live:
     ready: deque[float] = field(default_factory=deque)  # when each queued block's step ended (perf_counter)
     last: asyncio.Event = field(default_factory=asyncio.Event)  # the last block (or an error) is queued
     push: tuple[str, str] | None = None  # (sink address, token): blocks go to the gateway's sink (dmtd.serve.push)
+    interval_s: float = 0.0  # a pushed request's stream interval: its blocks go out at most once per interval
+    held: list[tuple[float, Block]] = field(default_factory=list)  # pushed blocks not written yet: (ready at, block)
+    t_sent: float = 0.0  # when its last frame was written (perf_counter)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last block
 
 

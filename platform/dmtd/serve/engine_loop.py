@@ -75,7 +75,8 @@ class EngineLoop(BlockDelivery, EngineThread):
         self._halted = False
         self._sink: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.pusher: BlockPusher | None = None  # the replica's, for requests submitted with a sink
-        self._outbox: dict[str, list[tuple[Live, Block]]] = {}  # a step's pushed blocks, by sink address
+        self._holding: dict[str, Live] = {}  # pushed requests with blocks not written yet, by request id
+        self._flush_timer: asyncio.TimerHandle | None = None  # writes held blocks when steps stall
         self._executor = executor or engine_executor()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
@@ -94,7 +95,9 @@ class EngineLoop(BlockDelivery, EngineThread):
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
                 "loop_restarts": self.restarts, **self.engine.cache_report(),
                 # the batch gate's windows by reason ("plain pays", "measure drafts", "retry", …; draft_gate.py)
-                "gate_windows": dict(self.engine.cycles.draft_gate.decisions)}
+                "gate_windows": dict(self.engine.cycles.draft_gate.decisions),
+                # the engine's model passes by kind: [count, seconds] (LLMEngine.pass_stats)
+                "passes": {k: list(v) for k, v in self.engine.pass_stats.items()}}
 
     def state(self) -> ReplicaState:
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
@@ -129,16 +132,18 @@ class EngineLoop(BlockDelivery, EngineThread):
         streams the same way, every 50 ms). The first block and a request's last one never wait.
 
         With ``push`` (a sink address this loop's ``pusher`` is connected to, and the request's token), the
-        loop writes the blocks to the sink itself, every pushed request's frame of a step in one write, and
-        this yields nothing; it ends after the last frame is written, or raises the request's error. If the
-        connection is gone when a step's frame is due, the rest of the blocks are yielded here instead."""
+        loop writes the blocks to the sink itself, at most one frame per ``stream_interval_ms`` after the first
+        (``BlockDelivery._flush``), every due request's frame of a step in one write, and this yields nothing;
+        it ends after the last frame is written, or raises the request's error. If the connection is gone when
+        a frame is due, the rest of the blocks are yielded here instead."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
             raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
         if req.request_id in self.live:
             raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
         live = Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None,
-                     push=push if push is not None and self.pusher is not None else None)
+                     push=push if push is not None and self.pusher is not None else None,
+                     interval_s=max(0.0, stream_interval_ms) / 1e3)
         live.t_admit_wall = time.time()  # until admitted: when the request reached this replica
         self.live[req.request_id] = live
         tel = self.telemetry
@@ -185,6 +190,7 @@ class EngineLoop(BlockDelivery, EngineThread):
                 if batch[-1].finish_reason or pushed_end:
                     return
         finally:
+            self._holding.pop(req.request_id, None)
             if self.live.pop(req.request_id, None) is not None:
                 # cancelled or failed mid-stream: the engine frees the slot before its next step
                 self._stage_abort(req.request_id)
@@ -214,6 +220,7 @@ class EngineLoop(BlockDelivery, EngineThread):
     def _fail(self, rid: str, error: BaseException, reason: str = "error") -> None:
         """End one request with ``error``; the engine frees its slot before the next step."""
         live = self.live.pop(rid, None)
+        self._holding.pop(rid, None)
         if live is not None:
             live.queue.put_nowait(error)
             live.last.set()
@@ -338,7 +345,9 @@ class EngineLoop(BlockDelivery, EngineThread):
                 self._dispatch(o, now, done.seqs.get(o.req_id))
             except Exception as e:
                 self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
-        self._flush(now)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+        self._flush()
         self._apply_controller()
 
     def _apply_controller(self) -> None:

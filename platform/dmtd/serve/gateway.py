@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dmtd.serve.auth import ApiKeys, AuthInterceptor
-from dmtd.serve.convert import rechunk, to_token_block, to_variant_info
+from dmtd.serve.convert import merge_blocks, rechunk, to_token_block, to_variant_info
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge, from_proto
@@ -165,8 +165,9 @@ class GatewayCore:
 
     @staticmethod
     async def _cycles(gen: Any, rt: RequestTelemetry) -> AsyncIterator[Block]:
-        """The replica's blocks (one per DMTD cycle; a streamed item carries the blocks that became ready within
-        the replica's stream interval), one by one, counted before any re-chunking."""
+        """The replica's blocks, counted one by one (one per DMTD cycle), then each pushed frame or streamed item
+        (the blocks that became ready within the replica's stream interval) as one merged block: one message to
+        the client per interval, not one per cycle (docs/serving.md, "The stream interval")."""
         async for batch in gen:
             arrived = time.time()
             for block in batch:
@@ -176,7 +177,7 @@ class GatewayCore:
                 rt.stage("engine_step_cpu", block.step_cpu_ms)
                 rt.stage("dispatch", block.dispatch_ms)
                 rt.cycle(block.k, block.tau, block.replica, block.num_drafted, block.num_accepted)
-                yield block
+            yield merge_blocks(batch)
 
 
     @staticmethod

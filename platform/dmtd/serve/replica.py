@@ -110,9 +110,9 @@ class DMTDReplica:
         """The request's blocks in lists, at most one list per ``stream_interval_ms`` after the first (what the
         gateway streams: one Ray item carries every block that became ready in the interval).
 
-        A request that names a block sink (``push_to``, ``push_token``: dmtd.serve.push) has each block pushed
-        there as soon as it is ready, and this stream yields nothing unless the sink cannot be reached: then
-        the rest of the blocks come as items here, as above. Errors are raised here either way."""
+        A request that names a block sink (``push_to``, ``push_token``: dmtd.serve.push) has its blocks pushed
+        there, in frames of one stream interval likewise, and this stream yields nothing unless the sink cannot be
+        reached: then the rest of the blocks come as items here, as above. Errors are raised here either way."""
         async with contextlib.aclosing(self._blocks(request, self.stream_interval_ms, push=True)) as batches:
             async for batch in batches:
                 yield batch
@@ -131,7 +131,7 @@ class DMTDReplica:
         if push and req.push_to:  # the engine loop writes its blocks to the gateway's sink
             try:
                 await self.pusher.connect(req.push_to)
-                target, interval_ms = (req.push_to, req.push_token), 0.0
+                target = (req.push_to, req.push_token)
             except PushUnavailable as e:
                 log.warning("replica %s: %s; streaming request %s through Serve", self.name, e, req.request_id)
         async with contextlib.aclosing(self.loop.submit(req, interval_ms, target)) as batches:
