@@ -82,10 +82,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="as the default, without the variant's phrase table (prompt lookup and tails only)")
     p.add_argument("--block-push", default=None, metavar="auto|off|ADDRESS",
                    help="replicas push blocks straight to a TCP sink of the gateway (default auto: on loopback when "
-                   "the gateway is); off: blocks travel as items of the Serve call, gathered by --stream-interval-ms")
+                   "the gateway is); off: blocks travel as items of the Serve call (either way gathered by "
+                   "--stream-interval-ms)")
     p.add_argument("--stream-interval-ms", type=float, default=None,
-                   help="a replica gathers a request's blocks that are ready within this interval into one streamed "
-                   "item; the first and the last block go at once (default 40; 0: every block on its own)")
+                   help="a replica gathers a request's blocks that are ready within this interval into one frame "
+                   "(or streamed item), sent to the client as one message; the first and the last block go at once "
+                   "(default 40; 0: every DMTD cycle on its own)")
     p.add_argument("--metrics-port", type=int, default=9464,
                    help="Prometheus port of the gateway; replicas take the next free ports")
     p.add_argument("--trace-exporter", choices=["memory", "console", "otlp", "none"], default=None,

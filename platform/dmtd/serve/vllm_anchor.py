@@ -14,9 +14,9 @@ computes it, the others read it from the cache; each request's TTFT is kept, ``-
 answer (our OpenAI API has no ``ignore_eos``); greedy on the same weights, both sides answer alike, and each row
 keeps its output tokens.
 
-vLLM's client measures ITL between streamed chunks: where a chunk carries several tokens (our replicas send a
-verified cycle's tokens together) the gap covers them all, so TPOT (decode time per output token) is the
-per-token figure to compare; both are reported.
+vLLM's client measures ITL between streamed chunks: where a chunk carries several tokens (our stack sends a
+verified cycle's tokens together, and a request's cycles of one stream interval, 40 ms, in one chunk) the gap
+covers them all, so TPOT (decode time per output token) is the per-token figure to compare; both are reported.
 """
 
 from __future__ import annotations
