@@ -107,7 +107,9 @@ class BlockDelivery:
         lists do). A timer writes held blocks when the steps stall (a long prompt's pass), at most an interval
         late. A request whose sink connection is gone (or whose write failed) streams its blocks through its
         call from here on; one whose blocks cannot be encoded fails alone."""
-        self._flush_timer = None
+        if self._flush_timer is not None:  # (a step's flush comes first: the timer's is not needed now)
+            self._flush_timer.cancel()
+            self._flush_timer = None
         now, sent = time.perf_counter(), time.time()
         outbox: dict[str, list[tuple[Live, list[Block]]]] = {}
         wake: float | None = None

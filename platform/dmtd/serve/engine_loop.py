@@ -345,8 +345,6 @@ class EngineLoop(BlockDelivery, EngineThread):
                 self._dispatch(o, now, done.seqs.get(o.req_id))
             except Exception as e:
                 self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
         self._flush()
         self._apply_controller()
 
