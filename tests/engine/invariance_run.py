@@ -40,11 +40,16 @@ class Recorder:
                 keep(s, list(s.token_ids), out[i])
             return out
 
-        def on_decode(seqs: list[Any]) -> torch.Tensor:
-            out = decode(seqs)
+        def on_decode(seqs: list[Any], prompts: list[Any] | None = None) -> torch.Tensor:
+            out = decode(seqs, prompts)
             for i, s in enumerate(seqs):
                 keep(s, list(s.token_ids), out[i])
+            riding(prompts)
             return out
+
+        def riding(prompts: list[Any] | None) -> None:  # prompts riding on a check or a head step
+            for k, s in enumerate(s for s in prompts or [] if s.prefill_end == s.num_tokens):
+                keep(s, list(s.token_ids), r.prompt_logits[k])
 
         def on_verify(seqs: list[Any], prompts: list[Any] | None = None) -> torch.Tensor:
             inputs = [(list(s.token_ids), list(s.drafts)) for s in seqs]
@@ -53,9 +58,7 @@ class Recorder:
             for i, (s, (toks, drafts)) in enumerate(zip(seqs, inputs)):
                 for j in range(len(drafts) + 1):
                     keep(s, toks + drafts[:j], out[i, R - len(drafts) - 1 + j])
-            done = [s for s in prompts or [] if s.prefill_end == s.num_tokens]  # prompts riding on the checks
-            for k, s in enumerate(done):
-                keep(s, list(s.token_ids), r.prompt_logits[k])
+            riding(prompts)
             return out
 
         r.prefill, r.decode, r.verify = on_prefill, on_decode, on_verify  # type: ignore[method-assign]

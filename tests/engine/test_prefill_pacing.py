@@ -1,5 +1,6 @@
 """Prompts prefilled while others decode: split anywhere where prompts run as rows, paced by measured step times,
-riding on the exact profile's check passes — and every token the one a prompt prefilled alone gives."""
+riding on the exact profile's check passes and the unverified profile's head steps — and every token the one a prompt
+prefilled alone gives."""
 
 from __future__ import annotations
 
@@ -41,10 +42,17 @@ def test_the_pacer_spends_credit_earned_by_decode_steps_and_fits_a_prefill_steps
     assert pacer.budget() == pytest.approx((41.0 - 10.0) / 1e-3)
     pacer.observe_decode(5.0, prompt_waiting=False)  # nothing waits: credit goes
     assert pacer.credit_ms == 0.0
-    pacer.observe_check(16.0, 0.0)
-    pacer.observe_check(40.0, 16000.0)  # 24 ms beyond the check for 16,000 keys: 1.5 µs a key
-    assert pacer.ride_budget() == pytest.approx(16.0 / 1.5e-3)
-    assert PrefillPacer(0.0).budget() is None and PrefillPacer(0.0).ride_budget() is None
+    pacer.observe_carrier("check", 16.0, 0.0)
+    pacer.observe_carrier("check", 40.0, 16000.0)  # 24 ms beyond the check for 16,000 keys: 1.5 µs a key
+    assert pacer.ride_budget("check") == pytest.approx(16.0 / 1.5e-3)
+    # each carrier keeps its own step time and rides: a head step's (8 ms, 2 ms fixed + 1 µs a key)
+    assert pacer.ride_budget("head") == pytest.approx(10.0 / 1.5e-3)  # the guesses before any head step
+    pacer.observe_carrier("head", 8.0, 0.0)
+    pacer.observe_carrier("head", 12.0, 2000.0)
+    pacer.observe_carrier("head", 14.0, 4000.0)
+    assert pacer.ride_budget("head") == pytest.approx((8.0 - 2.0) / 1e-3)
+    assert pacer.ride_budget("check") == pytest.approx(16.0 / 1.5e-3)
+    assert PrefillPacer(0.0).budget() is None and PrefillPacer(0.0).ride_budget("check") is None
 
 
 @pytest.mark.parametrize("pace", [-1.0, float("nan"), float("inf")])
@@ -115,6 +123,59 @@ def test_smollm2_prompts_riding_on_checks_give_the_base_models_tokens():
     assert got2[1] == want and got2[0][:24] == ref[0]
 
 
+def _tokens_and_logprobs(e, stream, arrivals, params, arrive_at):
+    """As :func:`_stream_with_arrivals`; each request's (tokens, log-probabilities), in arrival order."""
+    ids, step, outs = [e.add_request(stream, params[0])], 0, {}
+    while e.has_unfinished():
+        ids += [e.add_request(p, q) for p, q, w in zip(arrivals, params[1:], arrive_at) if w == step]
+        for o in e.step():
+            if o.token_id >= 0:
+                outs.setdefault(o.req_id, []).append((o.token_id, o.logprob))
+        step += 1
+    return [outs[r] for r in ids]
+
+
+@pytest.mark.parametrize("long_prefill_tokens", [2048, 0])
+def test_smollm2_unverified_prompts_ride_on_head_steps_with_the_bits_they_have_alone(long_prefill_tokens):
+    """bf16 (prompts as rows), only the dmtd profile running: prompts arriving while a stream decodes ride on the steps
+    where rows reach their heads — taken whole (a chat prompt), or split over several head steps (paced, a ~900-token
+    prompt) — and take no prefill step of their own; every request's tokens and log-probabilities are those it has
+    alone (its cycles anchored at its own prompt's end: align_phases off)."""
+    from dmtd.bench.exact_bench import CHATS
+
+    chats = [[{"role": "user", "content": c}] for c in CHATS[:5]]
+    arrivals = chats[1:] + [_long_prompt(50)]
+    params = [SamplingParams(max_new_tokens=n, tau=t, ignore_eos=True, logprobs=2)
+              for n, t in ((70, 3), (16, 3), (16, 2), (16, 4), (16, 3), (16, 3))]
+    alone = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=1, prefix_caching=False, prefill_pace=0.0,
+                     align_phases=False)
+    want = [_tokens_and_logprobs(alone, p, [], [q], [])[0] for p, q in zip([chats[0], *arrivals], params)]
+    e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=6, align_phases=False,
+                 long_prefill_tokens=long_prefill_tokens)
+    got = _tokens_and_logprobs(e, chats[0], arrivals, params, arrive_at=(3, 4, 7, 11, 12))
+    assert got == want
+    # the stream's own prompt; every later one rode (paced, the long prompt's rest once the stream has ended: alone)
+    assert e.pass_stats["prefill"][0] == (1 if long_prefill_tokens else 2)
+    assert e.scheduler.num_rides >= (5 if long_prefill_tokens else 8)
+    assert e.scheduler.num_free_kv_rows == 6 and not e.has_unfinished()
+
+
+def test_an_exact_prompt_waiting_beside_unverified_rows_gets_its_own_prefill_step():
+    """Only a check pass runs the verifying path an exact prompt needs: beside rows of the dmtd profile alone it is
+    prefilled in a step of its own, and its tokens are the base model's."""
+    from dmtd.bench.exact_bench import CHATS
+
+    chats = [[{"role": "user", "content": c}] for c in CHATS[:2]]
+    base = _smollm2("none", "bfloat16", max_num_seqs=1, prefix_caching=False)
+    ref = base.generate([chats[1]], SamplingParams(max_new_tokens=16, ignore_eos=True))[0].token_ids
+    e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=2)
+    got = _stream_with_arrivals(e, chats[0], [chats[1]], [SamplingParams(max_new_tokens=40, tau=3, ignore_eos=True),
+                                                          SamplingParams(max_new_tokens=16, exact=True,
+                                                                         ignore_eos=True)])
+    assert got[1] == ref
+    assert e.pass_stats["prefill"][0] == 2 and e.scheduler.num_rides == 0
+
+
 def test_exact_prompts_drafts_kv_after_the_first_token_is_the_kv_computed_with_it():
     """The variant's decoding group over exact prompts runs at the next step's start (draft_kv_after_first_token):
     whole, riding on checks, shared through the prefix cache, copied to a fork, or owed by a request that ends at its
@@ -170,8 +231,10 @@ def test_the_pace_rises_while_more_prompts_wait_than_sequences_decode():
     assert p.pace == 3.0
     p.share(waiting=100, running=1)
     assert p.pace == MAX_PACE
-    p.check_ms = 10.0
-    assert p.ride_budget() > PrefillPacer(1.0).ride_budget()  # a larger pace buys more keys a check
+    p.observe_carrier("check", 10.0, 0.0)
+    q = PrefillPacer(1.0)
+    q.observe_carrier("check", 10.0, 0.0)
+    assert p.ride_budget("check") > q.ride_budget("check")  # a larger pace buys more keys a check
     off = PrefillPacer(0.0)
     off.share(waiting=5, running=1)
     assert off.pace == 0.0 and off.budget() is None  # no pacing stays no pacing

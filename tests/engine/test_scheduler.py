@@ -182,23 +182,54 @@ def test_a_prompt_whose_system_prompt_another_is_computing_waits_and_reads_its_p
     assert s.prefix.stats.cached_tokens == 800
 
 
-def test_beside_decoding_a_short_prompt_runs_whole_and_a_long_one_is_paced():
+def at_head(s: Scheduler) -> None:
+    """The running rows' next positions are heads (as a τ = 1 row's always are)."""
+    for q in s.running:
+        q.next_head_pos = q.position
+
+
+def test_beside_decoding_a_short_prompt_rides_whole_and_a_long_one_is_paced():
     s = rows_scheduler(long_prefill_tokens=512)
     s.add(prompt("stream", range(1, 9), max_new_tokens=100))
     finish_prefill(s, s.schedule())
-    s.prefill_budget = 20_000.0  # keys the pacer grants a step beside the stream
+    s.prefill_budget = 20_000.0  # the pacer runs
+    s.ride_budgets = {"check": None, "head": 20_000.0}  # keys the pacer grants a head step's riding prompt rows
+    at_head(s)
     s.add(prompt("long", range(100, 1100)))
     out = s.schedule()
-    long = out.prefill[0]
+    assert [q.req_id for q in out.decode] == ["stream"] and not out.prefill  # the stream's step carries it
+    long = out.ride[0]
     assert long.req_id == "long" and 0 < long.prefill_end - long.num_prefilled < 100  # a paced piece
     finish_prefill(s, out)
     s.add(prompt("short", range(3000, 3400)))
+    at_head(s)
     out = s.schedule()
-    if not out.prefill:  # (a decode step between two prefill steps)
-        out = s.schedule()
-    short = next(q for q in out.prefill if q.req_id == "short")
+    short = next(q for q in out.ride if q.req_id == "short")
     assert short.num_prefilled == 0 and short.prefill_end == 400  # whole, beyond the step's budget
     assert finish_prefill(s, out) == ["short"]
+    assert s.num_rides == 2
+
+
+def test_a_prompt_beside_unverified_rows_waits_for_their_head_step_and_an_exact_one_gets_its_own():
+    s = Scheduler(DMTDConfig(0, 3, 1, 4, "prompt_end"), 4, 2048, 4096, cache_chunk=16, long_prefill_tokens=512)
+    s.free_split = True
+    stream = Sequence("stream", list(range(1, 9)), SamplingParams(max_new_tokens=100), tau=3)
+    s.add(stream)
+    finish_prefill(s, s.schedule())
+    s.prefill_budget, s.ride_budgets = 20_000.0, {"check": None, "head": 20_000.0}
+    stream.next_head_pos = stream.position + 2  # two tail steps to its head
+    s.add(prompt("chat", range(100, 140)))
+    for _ in range(2):  # tail steps: the prompt waits (its rows need the thinking group a head step runs)
+        out = s.schedule()
+        assert out.decode == [stream] and not out.prefill and not out.ride
+        stream.token_ids.append(7)
+    out = s.schedule()
+    assert out.decode == [stream] and [q.req_id for q in out.ride] == ["chat"]
+    assert finish_prefill(s, out) == ["chat"]
+    # an exact prompt needs the verifying path, which only a check runs: beside unverified rows, a step of its own
+    s.add(prompt("exact", range(200, 240), exact=True))
+    out = s.schedule()
+    assert [q.req_id for q in out.prefill] == ["exact"] and not out.ride
 
 
 def test_prompts_admitted_together_start_together_where_a_dmtd_rows_phases_follow_the_shared_clock():
@@ -214,8 +245,9 @@ def test_beside_decoding_short_prompts_after_the_first_come_as_the_budget_pays_f
     s = rows_scheduler(long_prefill_tokens=512)
     s.add(prompt("stream", range(1, 9), max_new_tokens=100))
     finish_prefill(s, s.schedule())
-    for i in range(4):  # four 100-token prompts arrive together: ~46k keys each
-        s.add(prompt(f"p{i}", range(1000 * (i + 1), 1000 * (i + 1) + 100)))
+    for i in range(4):  # four 100-token prompts arrive together, ~46k keys each; exact ones beside unverified rows
+        # alone take steps of their own (only a check runs the verifying path)
+        s.add(prompt(f"p{i}", range(1000 * (i + 1), 1000 * (i + 1) + 100), exact=i > 0))
     s.prefill_budget = 60_000.0
     out = s.schedule()
     assert [q.req_id for q in out.prefill] == ["p0"]  # the first whole beyond the budget, the next not within it

@@ -18,7 +18,7 @@ from dmtd.engine.logits_process import LogitsShaper
 from dmtd.engine.model import Transformer
 from dmtd.engine.outputs import Detokenizer, GenerationResult, StepOutput
 from dmtd.engine.phrase_table import PhraseTable
-from dmtd.engine.prefill_pacer import PrefillPacer
+from dmtd.engine.prefill_pacer import CARRIERS, PrefillPacer
 from dmtd.engine.requests import RequestState, SequenceView
 from dmtd.engine.runner import ModelRunner
 from dmtd.engine.sampler import sample
@@ -188,7 +188,7 @@ class LLMEngine:
         sched.free_split = self.rows_prefill
         self.pacer.share(len(sched.prefilling) + len(sched.waiting), len(sched.running))
         sched.prefill_budget = self.pacer.budget() if sched.free_split else None
-        sched.ride_budget = self.pacer.ride_budget()
+        sched.ride_budgets = {k: self.pacer.ride_budget(k) for k in CARRIERS}
         out = sched.schedule()
         for s in sched.take_preempted():  # their drafts went with their pages
             self.requests[s.req_id].draft_q = []
@@ -200,13 +200,23 @@ class LLMEngine:
             self.pacer.observe_prefill(keys, 1e3 * (time.perf_counter() - t_step), paced)
             return results
         keys = sched.last_prefill_keys if out.ride else 0.0
-        checked = any(s.params.exact and s.draft_done for s in out.decode)
+        carrier = self._carrier(out.decode)
         results = self._decode(out, t_step)
         ms = 1e3 * (time.perf_counter() - t_step)
         self.pacer.observe_decode(ms, bool(sched.prefilling or sched.waiting))
-        if checked:
-            self.pacer.observe_check(ms, keys)
+        if carrier is not None:
+            self.pacer.observe_carrier(carrier, ms, keys)
         return results
+
+    @staticmethod
+    def _carrier(rows: list[Sequence]) -> str | None:
+        """Which carrier (:data:`~dmtd.engine.prefill_pacer.CARRIERS`) a decode step of ``rows`` is, for the pacer's
+        timing: a check pass, a step of unverified rows where some reach their heads, or neither."""
+        if any(s.params.exact and s.draft_done for s in rows):
+            return "check"
+        if not any(s.params.exact for s in rows) and any(s.next_is_head for s in rows):
+            return "head"
+        return None
 
     def _prefill(self, out: SchedulerOutput) -> list[StepOutput]:
         """A prefill step: each prompt's next chunk; the prompts it finishes sample their first token."""
@@ -256,20 +266,26 @@ class LLMEngine:
                 s.draft_done = True
             checking, drafting = [s for s in out.decode if s.params.exact], []
             self.num_joined_checks += 1
-        results = self._sampled(SchedulerOutput(decode=plain), self.timed("decode", self.runner.decode, plain)[0],
-                                False) if plain else []
-        if drafting:
-            results += self.cycles.draft(drafting, t_step if not (plain or checking) else None)
-        riders: list[Sequence] = []  # prompt chunks riding on the check pass (the scheduler's out.ride)
+        riders: list[Sequence] = []  # prompt chunks riding on the check or the head step (the scheduler's out.ride)
         for s in out.ride:
             self.scheduler.reuse(s)
             if s.num_prefilled < s.prefill_end:
                 riders.append(s)
         prompt_logits = None
+        # with no check pass, unverified prompts ride on the plain rows' pass (the scheduler's "head" carrier)
+        on_plain = riders if plain and not checking and not any(s.params.exact for s in riders) else []
+        if plain:
+            logits = self.timed("decode", lambda rows: self.runner.decode(rows, on_plain), plain)[0]
+            prompt_logits = self.runner.prompt_logits if on_plain else None
+            results = self._sampled(SchedulerOutput(decode=plain), logits, False)
+        else:
+            results = []
+        if drafting:
+            results += self.cycles.draft(drafting, t_step if not (plain or checking) else None)
         if checking:
             results += self.cycles.check(checking, t_step if not (plain or drafting) else None, riders)
             prompt_logits = self.runner.prompt_logits if riders else None
-        elif riders:  # the scheduler rides prompts on a check pass only; should none run, they get their own
+        elif riders and not on_plain:  # should no pass carry them, they get their own
             prompt_logits = self.timed("prefill", self.runner.prefill, riders)[0]
         self.scheduler.num_decode_steps += 1
         if gate is not None and not riders:  # a step carrying prompt rows measures neither mode

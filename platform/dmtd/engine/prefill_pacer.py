@@ -7,8 +7,9 @@ not depend on how its prompt was split), a prefill step takes the prompt positio
 (its products) and a part growing with the keys it reads, so a step late in a long prompt takes few positions and
 one early in it many. A running stream's gap then stays near ``1 + prefill_pace`` of its steady one however long
 the prompt that arrives (the scheduler's fixed chunks of ``prefill_chunk`` positions cost ~0.75 s each late in a
-4,096-token prompt on two cores). Without rows (SDPA chunks, whose bits depend on their boundaries) the scheduler
-keeps whole chunks.
+4,096-token prompt on two cores). Once a cycle the prompt rows ride on a step the running rows take anyway (a check,
+a head step: :data:`CARRIERS`), sharing its weight reads, and the other rows wait for no step of the prompt's own.
+Without rows (SDPA chunks, whose bits depend on their boundaries) the scheduler keeps whole chunks.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from __future__ import annotations
 import math
 from collections import deque
 
-__all__ = ["MAX_PACE", "ROW_KEYS", "PrefillPacer", "end_within", "prompt_cost"]
+__all__ = ["CARRIERS", "MAX_PACE", "ROW_KEYS", "PrefillPacer", "end_within", "prompt_cost"]
 
 # the most a step's pace rises while prompts wait (PrefillPacer.share): a stream's gap stays under ~1 + MAX_PACE steps
 MAX_PACE = 8.0
+# the steps prompt rows ride on, one a cycle: an exact batch's check pass, and a step where rows of the unverified
+# profile reach their heads (every layer group runs: the prompt rows share each one's weight reads)
+CARRIERS = ("check", "head")
 # a prompt position's work beside its attention, in keys read: on two cores of the AMX Xeon (bf16, exact profile)
 # a position cost ~0.31 ms plus ~0.97 µs a key (4,096- and 1,024-token prompts prefilled alone)
 ROW_KEYS = 320
@@ -53,14 +57,18 @@ class PrefillPacer:
     one prefill step a cycle rather than one after each step: a stream's gap holds one prefill step, not two. A
     prefill step's time is fitted as ``fixed + per_key · keys`` over the last paced steps (least squares; before
     two distinct ones, a cautious guess).
+
+    Where the running rows' cycles have a carrier step (:data:`CARRIERS`), prompt rows ride on it instead of taking
+    steps of their own: ``pace`` times the carrier's step time, fitted the same way over the rides.
     """
 
     def __init__(self, pace: float, window: int = 32) -> None:
         self.base_pace = pace
         self.pace = pace  # this step's: base_pace, or more while more prompts wait than sequences decode (share)
         self.credit_ms = 0.0
-        self.check_ms: float | None = None  # a check step's time without prompt rows (a moving average)
-        self._rides: deque[tuple[float, float]] = deque(maxlen=window)  # prompt rows on checks: (keys, ms added)
+        # each carrier's step time without prompt rows (a moving average), and its rides: (keys, ms added)
+        self.carrier_ms: dict[str, float | None] = dict.fromkeys(CARRIERS)
+        self._rides: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in CARRIERS}
         self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # paced prefill steps: (keys, ms)
 
     def share(self, waiting: int, running: int) -> None:
@@ -71,22 +79,25 @@ class PrefillPacer:
         if self.base_pace > 0:
             self.pace = max(self.base_pace, min(waiting / max(running, 1), MAX_PACE))
 
-    def observe_check(self, ms: float, ride_keys: float) -> None:
-        """A step with a check pass: without prompt rows it sets the check step's time; with them, what the step
-        took beyond it is the rows' cost (fitted as ``fixed + per_key · keys``: the variant's decoding group over
-        the prompt rows is a call of its own, its weights read once whatever the rows)."""
+    def observe_carrier(self, kind: str, ms: float, ride_keys: float) -> None:
+        """A carrier step (:data:`CARRIERS`): without prompt rows it sets the carrier's step time; with them, what the
+        step took beyond it is the rows' cost (fitted as ``fixed + per_key · keys``: a layer group the carrier's rows
+        do not run — the thinking group on a tail step, the variant's decoding group of exact prompts — is a call of
+        its own, its weights read once whatever the rows)."""
         if ride_keys <= 0:
-            self.check_ms = ms if self.check_ms is None else 0.8 * self.check_ms + 0.2 * ms
-        elif self.check_ms is not None:
-            self._rides.append((ride_keys, max(ms - self.check_ms, 0.0)))
+            base = self.carrier_ms[kind]
+            self.carrier_ms[kind] = ms if base is None else 0.8 * base + 0.2 * ms
+        elif self.carrier_ms[kind] is not None:
+            self._rides[kind].append((ride_keys, max(ms - self.carrier_ms[kind], 0.0)))  # type: ignore[operator]
 
-    def ride_budget(self) -> float | None:
-        """Keys prompt rows may add to a check pass: what ``pace`` times a check step's time buys (None: no
+    def ride_budget(self, kind: str) -> float | None:
+        """Keys prompt rows may add to a ``kind`` carrier step: what ``pace`` times its step time buys (None: no
         pacing)."""
         if self.pace <= 0:
             return None
-        fixed, per_key = _fit(self._rides, 0.0, 1.5e-3)
-        spend = self.pace * (self.check_ms if self.check_ms is not None else 10.0) - fixed
+        fixed, per_key = _fit(self._rides[kind], 0.0, 1.5e-3)
+        base = self.carrier_ms[kind]
+        spend = self.pace * (base if base is not None else 10.0) - fixed
         return max(spend, 0.0) / per_key
 
     def observe_decode(self, ms: float, prompt_waiting: bool) -> None:

@@ -11,7 +11,7 @@ from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.kv_cache import KVCache, bytes_per_position
 from dmtd.engine.kv_pages import KVPages, pages_for
-from dmtd.engine.model import LayerWeights, StepContext, Transformer, project
+from dmtd.engine.model import LayerWeights, StepContext, Transformer, project, route_decoding_input
 from dmtd.engine.prefill import Prefill
 from dmtd.engine.sequence import Sequence
 from dmtd.engine.verified_passes import VerifiedPasses
@@ -217,8 +217,14 @@ class ModelRunner(Prefill, VerifiedPasses):
         return StepContext(cos, sin, mask, read_len, kv_row_t, self.cache.table, write_kv_rows, write_pos, rows)
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One position per row; heads refill and run the thinking group. Logits [B, V]."""
+    def decode(self, seqs: list[Sequence], prompts: list[Sequence] | None = None) -> torch.Tensor:
+        """One position per row; heads refill and run the thinking group. Logits [B, V].
+
+        ``prompts``: sequences of the unverified profile whose positions ``num_prefilled .. prefill_end`` ride along
+        as rows of the same calls (:meth:`_decode_with_prompts`); what :meth:`prefill` would return for them is left in
+        ``prompt_logits``."""
+        if prompts:
+            return self._decode_with_prompts(seqs, prompts)
         m, d, dev = self.model, self.dmtd, self.device
         kv_rows = [s.kv_row for s in seqs]
         pos = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=dev)
@@ -240,6 +246,77 @@ class ModelRunner(Prefill, VerifiedPasses):
             x[head_rows] = h_think + h_enc[head_rows] if d.head_input == "residual_add" else h_think
         h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.weights)
         return self._decode_logits(h[:, 0], tails, bool(heads))
+
+    def _decode_with_prompts(self, seqs: list[Sequence], prompts: list[Sequence]) -> torch.Tensor:
+        """:meth:`decode` with prompt rows in the same ``dmtd::rows_layers`` calls (prompts run as rows:
+        :meth:`rows_prefill`), as :meth:`_verify_with_prompts` rides them on a check: the encoding and decoding groups
+        over the decode rows and then each prompt's positions, the thinking group over the heads' refill rows (their
+        pending tails and the head) and the prompts' positions. A prompt's rows share the step's weight reads instead
+        of taking a step of their own while the other rows wait; every row is computed alone, so each has the bits it
+        has in a pass of its own."""
+        m, d, dev = self.model, self.dmtd, self.device
+        self.cache.sync()
+        B = len(seqs)
+        ids = [s.token_ids[-1] for s in seqs]
+        pos_l, kv_l, flags = [s.position for s in seqs], [s.kv_row for s in seqs], [False] * B
+        spans = [(s.num_prefilled, s.prefill_end) for s in prompts]
+        for s, (a, b) in zip(prompts, spans):
+            ids += s.token_ids[a:b]
+            pos_l += range(a, b)
+            kv_l += [s.kv_row] * (b - a)
+            flags += [p < s.prompt_len for p in range(a, b)]  # a resumed sequence's own tokens are decode rows
+        pos, kv_rows = torch.tensor(pos_l, device=dev), torch.tensor(kv_l, device=dev)
+        is_prompt = torch.tensor(flags, device=dev)
+        none = torch.empty(0, device=dev)
+
+        def rows_ctx(kv: torch.Tensor, p: torch.Tensor, prompt: torch.Tensor) -> StepContext:
+            return StepContext(none, none, None, int(p.max()) + 1, kv[:0], self.cache.table, kv, p, None, prompt)
+
+        ctx = rows_ctx(kv_rows, pos, is_prompt)
+        h_enc = m.run_rows(m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype), 0, d.thinking_start,
+                           self.kv, ctx, self.weights)
+        heads = [i for i, s in enumerate(seqs) if s.next_is_head]
+        tails = [i for i, s in enumerate(seqs) if not s.next_is_head]
+        if tails:
+            t = torch.tensor(tails, device=dev)
+            t_idx = torch.tensor([seqs[i].num_to_refill for i in tails], device=dev)
+            self.cache.tail_enc[kv_rows[t], t_idx] = h_enc[0, t]
+        # the thinking group: each head's pending tails and the head (as _refill), then the prompts' positions
+        parts: list[torch.Tensor] = []
+        t_pos: list[int] = []
+        t_kv: list[int] = []
+        ends: list[int] = []
+        for i in heads:
+            s, n = seqs[i], seqs[i].num_to_refill
+            if n:
+                parts.append(self.cache.tail_enc[s.kv_row, :n])
+            parts.append(h_enc[0, i: i + 1])
+            t_pos += range(s.position - n, s.position + 1)
+            t_kv += [s.kv_row] * (n + 1)
+            ends.append(len(t_pos) - 1)
+        nt = len(t_pos)
+        parts.append(h_enc[0, B:])
+        think_ctx = rows_ctx(torch.cat((torch.tensor(t_kv, dtype=torch.long, device=dev), kv_rows[B:])),
+                             torch.cat((torch.tensor(t_pos, dtype=torch.long, device=dev), pos[B:])),
+                             torch.cat((torch.zeros(nt, dtype=torch.bool, device=dev), is_prompt[B:])))
+        h_think = m.run_rows(torch.cat(parts)[None], d.thinking_start, d.decoding_start, self.kv, think_ctx,
+                             self.weights)
+        # the decoding group: tails their encoding output, heads the deep state, prompts by the phase rules
+        x = h_enc.clone()
+        if heads:
+            rows = torch.tensor(heads, device=dev)
+            hh = h_think[0, ends]
+            x[0, rows] = hh + h_enc[0, rows] if d.head_input == "residual_add" else hh
+        head = torch.cat([self._heads(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
+        x[:, B:] = route_decoding_input(h_enc[:, B:], h_think[:, nt:], head, d.head_input)
+        h = m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx, self.weights)
+        lasts, e = [], B
+        for s, (a, b) in zip(prompts, spans):
+            e += b - a
+            if b == s.num_tokens:
+                lasts.append(h[0, e - 1: e])
+        self.prompt_logits = self.logits(torch.cat(lasts)) if lasts else h.new_empty(0, self.model.config.vocab_size)
+        return self._decode_logits(h[0, :B], tails, bool(heads))
 
     def _decode_logits(self, h: torch.Tensor, tails: list[int], any_head: bool) -> torch.Tensor:
         """Logits [B, V] of a plain decode step. With a draft vocabulary, tail rows score only its ids (the

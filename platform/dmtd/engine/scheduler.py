@@ -100,10 +100,11 @@ class Scheduler(PrefillPlanning):
         # may read while sequences decode (None: one chunk)
         self.free_split = False
         self.prefill_budget: float | None = None  # negative: no prefill step now (the pacer's credit is short)
-        self.ride_budget: float | None = None  # keys prompt rows may add to a check pass
+        # keys prompt rows may add to a carrier step, by carrier (dmtd.engine.prefill_pacer.CARRIERS)
+        self.ride_budgets: dict[str, float | None] = {}
         self.last_prefill_keys = 0.0  # the work of the last prefill step (keys read), for the pacer
         self.last_prefill_paced = False
-        self.num_rides = 0  # decode steps whose check pass carried prompt rows
+        self.num_rides = 0  # decode steps that carried prompt rows (on a check pass or a head step)
         self.num_schedules = 0  # schedule() calls: a prompt's age in them orders prefill (_prefill_order)
 
     @property
@@ -147,14 +148,15 @@ class Scheduler(PrefillPlanning):
             self.num_decode_steps = 0  # idle: restart the shared clock, so a lone sequence keeps full cycles
         self.last_prefill_keys = 0.0
         paced = bool(self.free_split and self.running and self.prefill_budget is not None)
-        # with verified cycles running, prompts ride along with a check pass (one comes every cycle) instead of
-        # taking steps of their own
-        exact = paced and any(s.params.exact for s in self.running)
-        carrier = exact and any(s.params.exact and s.draft_done for s in self.running)
-        self.last_prefill_paced = paced and not exact
-        keys = (self.ride_budget if carrier else self.prefill_budget) or 0.0
+        # prompts ride along with a step the running rows' cycles take anyway, once a cycle, instead of taking steps of
+        # their own (the others waiting through them): with verified cycles running, a check pass; with only the
+        # unverified profile's rows running and waiting, a step where rows reach their heads (every layer group runs)
+        kind = self._carrier_kind(paced)
+        carrier = kind is not None and self._carries(kind)
+        self.last_prefill_paced = paced and kind is None
+        keys = (self.ride_budgets.get(kind) if kind is not None and carrier else self.prefill_budget) or 0.0
         if (not (self.running and self._last_prefill and self.prefilling)
-                and not (paced and keys < 0 and not self._short_due(paced)) and not (exact and not carrier)):
+                and not (paced and keys < 0 and not self._short_due(paced)) and not (kind and not carrier)):
             self._plan_prefill(out, paced, keys)
         if carrier and out.prefill:
             out.ride, out.prefill = out.prefill, []
@@ -166,6 +168,24 @@ class Scheduler(PrefillPlanning):
             # a rider preempted for the decode's pages is queued again, its chunk not computed
             out.ride = [s for s in out.ride if s in self.prefilling]
         return out
+
+    def _carrier_kind(self, paced: bool) -> str | None:
+        """The step kind prompt rows ride on while these rows run (:data:`~dmtd.engine.prefill_pacer.CARRIERS`), or
+        None (prefill steps of their own): "check" with exact rows running; "head" with only rows of the unverified
+        profile running and waiting (an exact prompt needs the verifying path, which only a check runs)."""
+        if not paced:
+            return None
+        if any(s.params.exact for s in self.running):
+            return "check"
+        if any(s.params.exact for s in self.prefilling) or any(s.params.exact for s in self.waiting):
+            return None
+        return "head"
+
+    def _carries(self, kind: str) -> bool:
+        """Whether this step is a ``kind`` carrier: an exact row checks its drafts, or a row is at its head."""
+        if kind == "check":
+            return any(s.params.exact and s.draft_done for s in self.running)
+        return any(s.next_is_head for s in self.running)
 
     def _reserve_decode(self) -> None:
         """Every running sequence's pages for what this step may write, oldest first; the newest are preempted
