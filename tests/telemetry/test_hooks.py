@@ -147,3 +147,25 @@ def test_json_log_lines_carry_the_current_trace():
     assert rec["msg"] == "hello world" and rec["request_id"] == "abc" and rec["level"] == "info"
     assert rec["trace_id"] == f"{span.get_span_context().trace_id:032x}"
     assert trace.get_current_span().get_span_context().is_valid is False
+
+
+def test_histograms_count_cumulatively_and_a_value_on_a_bound_counts_in_its_bucket():
+    """The instruments' own histograms (kept in process, read at scrape time) expose what Prometheus expects:
+    cumulative buckets, a value equal to a bound in that bound's bucket, ``count`` observations at once."""
+    from dmtd.telemetry.instruments import Instruments
+    from dmtd.telemetry.prometheus import BLOCK_BUCKETS
+    from dmtd_contract import metric_names as m
+
+    ep = MetricsEndpoint("test", None)
+    ins = Instruments(ep, "replica", {"replica": "r0", "variant": "v"})
+    ins.record(m.BLOCK_LENGTH, 2.0, tau="3")
+    ins.record_n(m.BLOCK_LENGTH, 3.0, 4, {"tau": "3"})
+    ins.record(m.BLOCK_LENGTH, 99.0, tau="3")
+    ins.add(m.GENERATED_TOKENS_TOTAL, 5)
+    fams = {f.name: f for f in text_string_to_metric_families(ep.exposition())}
+    buckets = {s.labels["le"]: s.value for s in fams["dmtd_block_length"].samples if s.name.endswith("_bucket")}
+    assert [buckets[str(b)] for b in BLOCK_BUCKETS] == [0, 1, 5, 5, 5, 5, 5, 5] and buckets["+Inf"] == 6
+    s = samples(ep.exposition())
+    assert s["dmtd_block_length_count"] == 6 and s["dmtd_block_length_sum"] == 2 + 12 + 99
+    assert s["dmtd_generated_tokens_total"] == 5
+    ep.shutdown()

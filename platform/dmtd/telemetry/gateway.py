@@ -30,7 +30,7 @@ class GatewayTelemetry:
         self.tracing: Tracing = setup_tracing(settings, "dmtd-gateway")
         self.endpoint = MetricsEndpoint("dmtd-gateway", settings.metrics_port if serve_metrics else None,
                                         settings.metrics_host)
-        self.ins = Instruments(self.endpoint.meter, "gateway", {"deployment": settings.deployment})
+        self.ins = Instruments(self.endpoint, "gateway", {"deployment": settings.deployment})
         self.live = LiveStats()
         self.inflight = 0
         self.replicas_ready: dict[str, int] = {}
@@ -110,8 +110,7 @@ class RequestTelemetry:
             self.span.add_event("first_block", {"ttft_ms": self.ttft_s * 1e3, "k": k, "replica": self.replica})
         elif k > 0:
             per_token = (now - self.t_last) / k
-            for _ in range(k):
-                ins.record(m.ITL_SECONDS, per_token, **lab)
+            ins.record_n(m.ITL_SECONDS, per_token, k, lab)
             self.itl_ms.extend([per_token * 1e3] * k)
             self.g.live.itl(self.variant, per_token * 1e3, k)
         self.t_last = now

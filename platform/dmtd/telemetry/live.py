@@ -41,7 +41,10 @@ class LiveStats:
         self.series: deque[dict[str, Any]] = deque(maxlen=120)  # one point per snapshot, for sparklines
 
     def _v(self, variant: str) -> _Variant:
-        return self.variants.setdefault(variant, _Variant())
+        v = self.variants.get(variant)
+        if v is None:  # (setdefault built a _Variant, five deques and four Counters, on every block)
+            v = self.variants[variant] = _Variant()
+        return v
 
     def block(self, variant: str, k: int, tau: int, num_drafted: int = 0, num_accepted: int = 0) -> None:
         """A replica block: ``k`` tokens at ``tau``; of a verified cycle, its ``num_drafted`` drafts checked and

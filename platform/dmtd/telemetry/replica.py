@@ -55,7 +55,7 @@ class ReplicaTelemetry:
                                                                          "dmtd.variant": variant})
         port = settings.replica_port() if serve_metrics else None
         self.endpoint = MetricsEndpoint("dmtd-replica", port, settings.metrics_host)
-        self.ins = Instruments(self.endpoint.meter, "replica",
+        self.ins = Instruments(self.endpoint, "replica",
                                {"deployment": settings.deployment, "variant": variant, "replica": replica})
         self.state, self.clock = state, clock
         self.started = clock()
