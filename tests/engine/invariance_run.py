@@ -1,13 +1,16 @@
 """Batch invariance on the kernel path of this process (``DMTD_KERNEL_PATH``), run by test_batch_invariance.py in a
 subprocess per path: one request alone against the same request inside batches of 2..64 companions (mixed prompt
 lengths, τ, phases, profiles, greedy and sampled), for every weight format. Prints one JSON line: the path loaded,
-the cases run and every difference found (tokens, or the bits of the logits that chose an emitted token)."""
+the cases run and every difference found (tokens, or the bits of the logits that chose an emitted token). Two cases
+have the request arrive while dmtd-profile rows decode, its prompt riding on their head step, and later prompts riding
+on its own."""
 
 from __future__ import annotations
 
 import json
 import random
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -75,23 +78,29 @@ class Recorder:
 
 
 def run(dtype: str, quant: str, dmtd: DMTDConfig, batch: list[tuple[list[int], SamplingParams]],
-        target: int) -> tuple[list[int], list[torch.Tensor]]:
+        target: int, arrive: dict[int, int] | None = None) -> tuple[list[int], list[torch.Tensor], int]:
+    """The target's generated tokens, the logits rows that chose them, and the decode steps that carried prompt rows;
+    ``arrive``: the step at which batch entry i arrives (else at once): a late prompt may ride on the others' step."""
+    arrive = arrive or {}
     base = base_model(5, 0.05)
     var, verifier = variant_of(base, 0.02, 5)
     var, verifier = in_dtype(var, verifier, dtype)
     engine = LLMEngine(var, None, dmtd, EngineConfig(max_num_seqs=64, max_model_len=256, dtype=dtype, quant=quant),
                        default_tau=1, eos_token_ids=[], verifier=verifier)
     rec = Recorder(engine)
-    ids = [engine.add_request(p, params) for p, params in batch]
+    ids = {i: engine.add_request(p, params) for i, (p, params) in enumerate(batch) if i not in arrive}
     res: dict[str, list[int]] = {}
-    while engine.has_unfinished():
+    step = 0
+    while engine.has_unfinished() or len(ids) < len(batch):
+        ids.update({i: engine.add_request(*batch[i]) for i, at in arrive.items() if at == step})
         for o in engine.step():
             if o.finished:
                 res[o.req_id] = list(engine.seqs[o.req_id].token_ids) if o.req_id in engine.seqs else []
+        step += 1
     seq_tokens = res[ids[target]]
     prompt = batch[target][0]
     assert seq_tokens[: len(prompt)] == prompt
-    return seq_tokens[len(prompt):], rec.final(ids[target], seq_tokens, len(prompt))
+    return seq_tokens[len(prompt):], rec.final(ids[target], seq_tokens, len(prompt)), engine.scheduler.num_rides
 
 
 def companions(n: int, rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
@@ -116,17 +125,27 @@ def main() -> None:
     # (dtype, quant, phase anchor, batch sizes, targets): bf16 at full width, the low-bit formats narrower
     plan = [("bfloat16", "none", "prompt_end", (64,), targets), ("bfloat16", "none", "absolute", (9,), targets),
             ("float32", "int8", "prompt_end", (17,), targets[:2]), ("float32", "int4", "absolute", (5,), targets[1:])]
-    for dtype, quant, anchor, sizes, tgts in plan:
+    # and a dmtd-profile request arriving while only dmtd-profile rows decode: its prompt rides on their head step,
+    # later ones on its (heads at absolute positions: its tokens do not depend on when it joined)
+    late = SamplingParams(max_new_tokens=20, tau=2)
+    for dtype, quant, anchor, sizes, tgts in plan + [("bfloat16", "none", "absolute", (6,), [late]),
+                                                     ("float32", "int8", "absolute", (6,), [late])]:
         dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace", phase_anchor=anchor)
         for t in tgts:
-            alone_tokens, alone_rows = run(dtype, quant, dmtd, [(prompt, t)], 0)
+            alone_tokens, alone_rows, _ = run(dtype, quant, dmtd, [(prompt, t)], 0)
             for n in sizes:
                 batch = companions(n - 1, rng)
+                if t is late:
+                    batch = [(p, replace(q, exact=False, max_new_tokens=16)) for p, q in batch]
                 k = rng.randint(0, n - 1)
                 batch.insert(k, (prompt, t))
-                tokens, rows = run(dtype, quant, dmtd, batch, k)
+                # late: the request rides on the others' head step, and later arrivals ride on its own
+                arrive = {k: 2, **{i: 5 for i in range(0, n, 2) if i != k}} if t is late else {}
+                tokens, rows, rides = run(dtype, quant, dmtd, batch, k, arrive)
                 cases += 1
                 what = f"{dtype}/{quant} {anchor} τ={t.tau} exact={t.exact} in {n} at {k}"
+                if t is late and not rides:
+                    diffs.append(f"{what}: the late prompt did not ride")
                 if tokens != alone_tokens:
                     diffs.append(f"{what}: tokens {tokens} != alone {alone_tokens}")
                 elif len(rows) != len(alone_rows) or not all(torch.equal(a, b) for a, b in zip(rows, alone_rows)):

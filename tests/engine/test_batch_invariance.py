@@ -28,5 +28,5 @@ def test_a_request_alone_and_among_companions_gets_the_same_tokens_and_logits_bi
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["path"] == path  # the path asked for is the one that ran
-    assert result["cases"] == 10
+    assert result["cases"] == 12
     assert result["diffs"] == []

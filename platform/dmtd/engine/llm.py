@@ -188,7 +188,9 @@ class LLMEngine:
         sched.free_split = self.rows_prefill
         self.pacer.share(len(sched.prefilling) + len(sched.waiting), len(sched.running))
         sched.prefill_budget = self.pacer.budget() if sched.free_split else None
-        sched.ride_budgets = {k: self.pacer.ride_budget(k) for k in CARRIERS}
+        # (each a least-squares fit over the rides: only while a prompt waits to ride)
+        sched.ride_budgets = ({k: self.pacer.ride_budget(k) for k in CARRIERS}
+                              if sched.waiting or sched.prefilling else {})
         out = sched.schedule()
         for s in sched.take_preempted():  # their drafts went with their pages
             self.requests[s.req_id].draft_q = []

@@ -25,6 +25,16 @@ class DeferredRows(NamedTuple):
     prompt: torch.Tensor  # [n] whether it is a prompt's position (not a resumed sequence's own token)
 
 
+class RidingRows(NamedTuple):
+    """Prompts' positions ``num_prefilled .. prefill_end`` as flat rows of a pass they ride on."""
+
+    spans: list[tuple[int, int]]  # each prompt's (num_prefilled, prefill_end)
+    ids: list[int]  # each row's token
+    pos: list[int]  # its position
+    kv_rows: list[int]  # its cache row
+    prompt: list[bool]  # a prompt's position (a resumed sequence's own tokens are decode rows)
+
+
 class Prefill(RunnerPart):
     """Prompt prefill (mixed into the runner, whose model, caches and contexts it uses).
 
@@ -49,14 +59,41 @@ class Prefill(RunnerPart):
         if not self.deferred:
             return torch.empty(1, 0, self.model.config.hidden_size, device=self.device)
         todo, self.deferred = self.deferred, []
-        m, d, dev = self.model, self.dmtd, self.device
+        m, d = self.model, self.dmtd
         self.cache.sync()
-        kv_rows, pos = torch.cat([t.kv_rows for t in todo]), torch.cat([t.pos for t in todo])
-        none = torch.empty(0, device=dev)
-        ctx = StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows, pos, None,
-                          torch.cat([t.prompt for t in todo]))
+        ctx = self._rows_context(torch.cat([t.kv_rows for t in todo]), torch.cat([t.pos for t in todo]),
+                                 torch.cat([t.prompt for t in todo]))
         return m.run_rows(torch.cat([t.x for t in todo])[None], d.decoding_start, d.num_layers, self.kv, ctx,
                           self.weights)
+
+    def _rows_context(self, kv_rows: torch.Tensor, pos: torch.Tensor, prompt: torch.Tensor) -> StepContext:
+        """The context of rows for ``dmtd::rows_layers``: row r is position ``pos[r]`` of cache row ``kv_rows[r]``,
+        ``prompt[r]`` whether it is a prompt's position."""
+        none = torch.empty(0, device=self.device)
+        return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows, pos, None,
+                           prompt)
+
+    @staticmethod
+    def _riding_rows(prompts: list[Sequence]) -> RidingRows:
+        """The positions to compute of prompts riding on a pass (a check, a head step), as its flat rows."""
+        rows = RidingRows([(s.num_prefilled, s.prefill_end) for s in prompts], [], [], [], [])
+        for s, (a, b) in zip(prompts, rows.spans):
+            rows.ids.extend(s.token_ids[a:b])
+            rows.pos.extend(range(a, b))
+            rows.kv_rows.extend([s.kv_row] * (b - a))
+            rows.prompt.extend(p < s.prompt_len for p in range(a, b))
+        return rows
+
+    def _riders_logits(self, h: torch.Tensor, start: int, prompts: list[Sequence],
+                       spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The logits [n, V] of the riding prompts this pass completes (what :meth:`prefill` returns for them), from
+        the pass's last-layer rows ``h`` [R, H], the prompts' rows from ``start`` on."""
+        lasts, e = [], start
+        for s, (a, b) in zip(prompts, spans):
+            e += b - a
+            if b == s.num_tokens:
+                lasts.append(h[e - 1: e])
+        return self.logits(torch.cat(lasts)) if lasts else h.new_empty(0, self.model.config.vocab_size)
 
     def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence], exact_now: bool,
                    ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor:
@@ -163,13 +200,11 @@ class Prefill(RunnerPart):
         pos = torch.tensor([p for i in order for p in range(*rows[i])], device=dev)
         kv_rows = torch.tensor([seqs[i].kv_row for i in order for _ in range(*rows[i])], device=dev)
         owner = torch.tensor([k for k, i in enumerate(order) for _ in range(*rows[i])], device=dev)
-        none = torch.empty(0, device=dev)
         # a prompt's positions, not a resumed sequence's own tokens (those keep the bits their decode step gave them)
         prompt = torch.tensor([p < seqs[i].prompt_len for i in order for p in range(*rows[i])], device=dev)
 
         def ctx_of(keep: torch.Tensor | slice) -> StepContext:  # rows_layers reads the rows' cache rows and positions
-            return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows[keep],
-                               pos[keep], None, prompt[keep])
+            return self._rows_context(kv_rows[keep], pos[keep], prompt[keep])
 
         ctx = ctx_of(slice(None))
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)

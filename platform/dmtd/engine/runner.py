@@ -257,22 +257,13 @@ class ModelRunner(Prefill, VerifiedPasses):
         m, d, dev = self.model, self.dmtd, self.device
         self.cache.sync()
         B = len(seqs)
-        ids = [s.token_ids[-1] for s in seqs]
-        pos_l, kv_l, flags = [s.position for s in seqs], [s.kv_row for s in seqs], [False] * B
-        spans = [(s.num_prefilled, s.prefill_end) for s in prompts]
-        for s, (a, b) in zip(prompts, spans):
-            ids += s.token_ids[a:b]
-            pos_l += range(a, b)
-            kv_l += [s.kv_row] * (b - a)
-            flags += [p < s.prompt_len for p in range(a, b)]  # a resumed sequence's own tokens are decode rows
-        pos, kv_rows = torch.tensor(pos_l, device=dev), torch.tensor(kv_l, device=dev)
-        is_prompt = torch.tensor(flags, device=dev)
-        none = torch.empty(0, device=dev)
-
-        def rows_ctx(kv: torch.Tensor, p: torch.Tensor, prompt: torch.Tensor) -> StepContext:
-            return StepContext(none, none, None, int(p.max()) + 1, kv[:0], self.cache.table, kv, p, None, prompt)
-
-        ctx = rows_ctx(kv_rows, pos, is_prompt)
+        riding = self._riding_rows(prompts)
+        spans = riding.spans
+        ids = [s.token_ids[-1] for s in seqs] + riding.ids
+        pos = torch.tensor([s.position for s in seqs] + riding.pos, device=dev)
+        kv_rows = torch.tensor([s.kv_row for s in seqs] + riding.kv_rows, device=dev)
+        is_prompt = torch.tensor([False] * B + riding.prompt, device=dev)
+        ctx = self._rows_context(kv_rows, pos, is_prompt)
         h_enc = m.run_rows(m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype), 0, d.thinking_start,
                            self.kv, ctx, self.weights)
         heads = [i for i, s in enumerate(seqs) if s.next_is_head]
@@ -296,9 +287,9 @@ class ModelRunner(Prefill, VerifiedPasses):
             ends.append(len(t_pos) - 1)
         nt = len(t_pos)
         parts.append(h_enc[0, B:])
-        think_ctx = rows_ctx(torch.cat((torch.tensor(t_kv, dtype=torch.long, device=dev), kv_rows[B:])),
-                             torch.cat((torch.tensor(t_pos, dtype=torch.long, device=dev), pos[B:])),
-                             torch.cat((torch.zeros(nt, dtype=torch.bool, device=dev), is_prompt[B:])))
+        think_ctx = self._rows_context(torch.cat((torch.tensor(t_kv, dtype=torch.long, device=dev), kv_rows[B:])),
+                                       torch.cat((torch.tensor(t_pos, dtype=torch.long, device=dev), pos[B:])),
+                                       torch.cat((torch.zeros(nt, dtype=torch.bool, device=dev), is_prompt[B:])))
         h_think = m.run_rows(torch.cat(parts)[None], d.thinking_start, d.decoding_start, self.kv, think_ctx,
                              self.weights)
         # the decoding group: tails their encoding output, heads the deep state, prompts by the phase rules
@@ -310,12 +301,7 @@ class ModelRunner(Prefill, VerifiedPasses):
         head = torch.cat([self._heads(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
         x[:, B:] = route_decoding_input(h_enc[:, B:], h_think[:, nt:], head, d.head_input)
         h = m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx, self.weights)
-        lasts, e = [], B
-        for s, (a, b) in zip(prompts, spans):
-            e += b - a
-            if b == s.num_tokens:
-                lasts.append(h[0, e - 1: e])
-        self.prompt_logits = self.logits(torch.cat(lasts)) if lasts else h.new_empty(0, self.model.config.vocab_size)
+        self.prompt_logits = self._riders_logits(h[0], B, prompts, spans)
         return self._decode_logits(h[0, :B], tails, bool(heads))
 
     def _decode_logits(self, h: torch.Tensor, tails: list[int], any_head: bool) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dmtd.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from dmtd.engine.model import LayerWeights
+    from dmtd.engine.prefill import RidingRows
 
 MAX_CONTEXT_IDS = 1024  # context ids a draft pass adds to the draft vocabulary at most
 
@@ -33,6 +34,10 @@ class VerifiedPasses(RunnerPart):
     if TYPE_CHECKING:  # the runner's own, and the prefill part's
         def draft_head(self) -> torch.Tensor | lowbit.PackedWeight: ...
         def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor: ...
+        def _rows_context(self, kv_rows: torch.Tensor, pos: torch.Tensor, prompt: torch.Tensor) -> StepContext: ...
+        def _riding_rows(self, prompts: list[Sequence]) -> RidingRows: ...
+        def _riders_logits(self, h: torch.Tensor, start: int, prompts: list[Sequence],
+                           spans: list[tuple[int, int]]) -> torch.Tensor: ...
         def _tail_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence], exact_now: bool,
                        ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor: ...
         def _right_aligned(self, last: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
@@ -165,21 +170,15 @@ class VerifiedPasses(RunnerPart):
         pos_l = [p for s, c in zip(seqs, counts) for p in range(s.draft_position - c + 1, s.draft_position + 1)]
         kv_l = [s.kv_row for s, c in zip(seqs, counts) for _ in range(c)]
         nc = len(ids)
-        spans = [(s.num_prefilled, s.prefill_end) for s in prompts]
-        for s, (a, b) in zip(prompts, spans):
-            ids += s.token_ids[a:b]
-            pos_l += range(a, b)
-            kv_l += [s.kv_row] * (b - a)
-        pos = torch.tensor(pos_l, device=dev)
-        kv_rows = torch.tensor(kv_l, device=dev)
-        none = torch.empty(0, device=dev)
-        # the prompts' positions (a resumed sequence's own tokens and the checks' rows are decode rows)
-        is_prompt = torch.tensor([False] * nc + [p < s.prompt_len for s, (a, b) in zip(prompts, spans)
-                                                 for p in range(a, b)], device=dev)
+        riding = self._riding_rows(prompts)
+        spans = riding.spans
+        ids += riding.ids
+        pos = torch.tensor(pos_l + riding.pos, device=dev)
+        kv_rows = torch.tensor(kv_l + riding.kv_rows, device=dev)
+        is_prompt = torch.tensor([False] * nc + riding.prompt, device=dev)  # the checks' rows are decode rows
 
         def rows_ctx(keep: torch.Tensor | slice) -> StepContext:
-            return StepContext(none, none, None, int(pos.max()) + 1, kv_rows[:0], self.cache.table, kv_rows[keep],
-                               pos[keep], None, is_prompt[keep])
+            return self._rows_context(kv_rows[keep], pos[keep], is_prompt[keep])
 
         ctx = rows_ctx(slice(None))
         x = m.embed_tokens(torch.tensor([ids], device=dev)).to(self.act_dtype)
@@ -213,10 +212,5 @@ class VerifiedPasses(RunnerPart):
         ends = torch.cumsum(torch.tensor(counts), 0).tolist()
         for i, (c, e) in enumerate(zip(counts, ends)):
             logits[i, R - c:] = flat[e - c: e]
-        lasts, e = [], nc
-        for s, (a, b) in zip(prompts, spans):
-            e += b - a
-            if b == s.num_tokens:
-                lasts.append(out[0, e - 1: e])
-        self.prompt_logits = self.logits(torch.cat(lasts)) if lasts else flat.new_empty(0, flat.shape[-1])
+        self.prompt_logits = self._riders_logits(out[0], nc, prompts, spans)
         return logits
