@@ -12,6 +12,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -64,6 +65,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", default=None, choices=AGAINST,
                    help="the same workload on vLLM's CPU build (`make bench-deps`) and on our OpenAI endpoint, one "
                         "client for both (vllm bench serve): tok/s, TTFT, ITL and the ratios (dmtd.serve.vllm_anchor)")
+    p.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="--against vllm: the precision vLLM serves in; auto: bfloat16 on a CPU with native bf16 "
+                        "(avx512_bf16 or amx_bf16), float32 elsewhere, where vLLM's bf16 is emulated and slower")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
@@ -198,6 +202,10 @@ def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argp
 
 
 def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
+    if getattr(args, "vllm_dtype", "auto") != "auto" and getattr(args, "against", None) is None:
+        print("error: --vllm-dtype sets the precision of --against vllm's server: add --against vllm",
+              file=sys.stderr)
+        raise SystemExit(2)
     if getattr(args, "against", None) is not None:
         from dmtd.serve.vllm_anchor import run_against
 

@@ -3,7 +3,8 @@
 One run, one external client for both sides: vLLM's own ``vllm bench serve`` (``--backend openai-chat``,
 ``/v1/chat/completions``, greedy), from the venv ``scripts/install-vllm.sh`` makes under ``$DMTD_CACHE``. Both
 servers are started here, bound to 127.0.0.1 on free ports, and stopped at the end: ``vllm serve`` on the
-converted SmolLM2 safetensors (bf16, its defaults) and our stack as ``dmtd serve`` starts it by default (the
+converted SmolLM2 safetensors (its defaults, in ``--vllm-dtype``: bf16 where the CPU computes in bf16
+natively, float32 elsewhere) and our stack as ``dmtd serve`` starts it by default (the
 shipped variant, its precision: bf16 where the kernels build; exact greedy requests: the base model's tokens).
 Each workload runs on vLLM, then at once on ours: the idle side waits while the other is measured.
 
@@ -195,11 +196,37 @@ def _tail(path: Path, n: int = 30) -> str:
         return ""
 
 
-def start_vllm(venv: Path, model_dir: str, port: int, name: str, log: Path,
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute in bf16 natively
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def vllm_dtype(choice: str, flags: set[str] | None = None) -> str:
+    """The precision ``vllm serve`` runs in: ``choice`` itself, or for ``auto`` bf16 on a CPU that computes in bf16
+    natively and float32 elsewhere. On an AVX2 EPYC (no AVX-512), vLLM 0.32's bf16 served 15.0 / 18.3 tok/s at
+    N = 1 / 16 and its float32 18.4 / 107.9 (docs/benchmarks.md): the anchor runs in its better precision there."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if set(NATIVE_BF16) & (cpu_flags() if flags is None else flags) else "float32"
+
+
+def serve_command(venv: Path, model_dir: str, port: int, name: str, dtype: str) -> list[str]:
+    """``vllm serve`` in ``dtype``, its defaults otherwise, on 127.0.0.1:port."""
+    return [str(venv / "bin" / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--served-model-name", name]
+
+
+def start_vllm(venv: Path, model_dir: str, port: int, name: str, log: Path, dtype: str = "bfloat16",
                timeout_s: float = 900.0) -> subprocess.Popen:
-    """``vllm serve`` (bf16, its defaults) on 127.0.0.1:port, in its own session; returns once /health answers."""
-    cmd = [str(venv / "bin" / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--served-model-name", name]
+    """``vllm serve`` (``serve_command``) in its own session; returns once /health answers."""
+    cmd = serve_command(venv, model_dir, port, name, dtype)
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -300,7 +327,9 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     # speed falls between workloads rather than between the two sides of one row
     results: dict[str, list[dict[str, Any]]] = {"vllm": [], "dmtd": []}
     port = free_port()
-    proc = start_vllm(venv, model_dir, port, "smollm2", workdir / "vllm-serve.log")
+    dtype = vllm_dtype(args.vllm_dtype)
+    print(f"vllm serve in {dtype} (--vllm-dtype {args.vllm_dtype})", flush=True)
+    proc = start_vllm(venv, model_dir, port, "smollm2", workdir / "vllm-serve.log", dtype)
     try:
         info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
         try:
@@ -315,7 +344,7 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     rows = make_rows(results, plan)
     result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve --backend "
-              "openai-chat --endpoint /v1/chat/completions", "vllm_serve": {"dtype": "bfloat16",
+              "openai-chat --endpoint /v1/chat/completions", "vllm_serve": {"dtype": dtype,
               **{k: v for k, v in vllm_env().items() if k.startswith("VLLM_CPU_")}}, "dmtd": ours,
               "workloads": plan, "rows": rows, "workdir": str(workdir),
               "raw": results}
