@@ -70,12 +70,14 @@ def test_client_command_is_one_greedy_openai_chat_client(tmp_path):
 
 
 def test_vllm_serves_in_bf16_only_where_the_cpu_computes_in_bf16(tmp_path):
+    from dmtd.engine.ops import cpu_flags
+
     assert va.vllm_dtype("auto", {"avx2", "fma", "avx512f", "avx512_bf16"}) == "bfloat16"
     assert va.vllm_dtype("auto", {"avx2", "amx_bf16", "amx_tile"}) == "bfloat16"
     assert va.vllm_dtype("auto", {"avx2", "fma"}) == "float32"  # AVX2 only: vLLM's bf16 is emulated there
     assert va.vllm_dtype("auto", {"avx2", "avx512f"}) == "float32"  # AVX-512 without its bf16 extension
     assert va.vllm_dtype("bfloat16", {"avx2"}) == "bfloat16" and va.vllm_dtype("float32", {"amx_bf16"}) == "float32"
-    assert va.vllm_dtype("auto") == va.vllm_dtype("auto", va.cpu_flags())  # this machine's own flags
+    assert va.vllm_dtype("auto") == va.vllm_dtype("auto", cpu_flags())  # this machine's own flags
     cmd = " ".join(va.serve_command(tmp_path, "/m", 1234, "smollm2", "float32"))
     assert cmd.endswith("serve /m --host 127.0.0.1 --port 1234 --dtype float32 --served-model-name smollm2")
     assert parse(["--against", "vllm"]).vllm_dtype == "auto"

@@ -199,22 +199,17 @@ def _tail(path: Path, n: int = 30) -> str:
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute in bf16 natively
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's flags as /proc/cpuinfo lists them (empty where there is no such file)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
 def vllm_dtype(choice: str, flags: set[str] | None = None) -> str:
     """The precision ``vllm serve`` runs in: ``choice`` itself, or for ``auto`` bf16 on a CPU that computes in bf16
     natively and float32 elsewhere. On an AVX2 EPYC (no AVX-512), vLLM 0.32's bf16 served 15.0 / 18.3 tok/s at
     N = 1 / 16 and its float32 18.4 / 107.9 (docs/benchmarks.md): the anchor runs in its better precision there."""
     if choice != "auto":
         return choice
-    return "bfloat16" if set(NATIVE_BF16) & (cpu_flags() if flags is None else flags) else "float32"
+    if flags is None:
+        from dmtd.engine.ops import cpu_flags
+
+        flags = cpu_flags()
+    return "bfloat16" if set(NATIVE_BF16) & flags else "float32"
 
 
 def serve_command(venv: Path, model_dir: str, port: int, name: str, dtype: str) -> list[str]:
