@@ -51,7 +51,7 @@ def test_kernel_equals_the_dense_product_of_the_packed_weight(fmt, rows):
     w = torch.randn(70, 128)  # 70 output rows: not a multiple of the kernel's row chunk
     p = lowbit.pack(w, fmt)
     x = torch.randn(rows, 128)
-    amx = fmt == "bf16" and lowbit.loaded_path() == "amx"  # AMX tiles: activations rounded to bf16
+    amx = fmt == "bf16" and lowbit.loaded_path() in ("amx", "avx512bf16")  # activations rounded to bf16
     ref = (x.to(torch.bfloat16).float() if amx else x) @ lowbit.unpack(p).t()
     y = p.project(x)
     assert y.shape == (rows, 70) and y.dtype == torch.float32
@@ -89,7 +89,7 @@ def test_a_prompts_many_rows_get_the_bits_each_gets_alone(fmt):
     p = lowbit.pack(torch.randn(80, 192), fmt)
     x = torch.randn(500, 192)
     many = p.project(x)
-    amx = fmt == "bf16" and lowbit.loaded_path() == "amx"
+    amx = fmt == "bf16" and lowbit.loaded_path() in ("amx", "avx512bf16")
     if fmt in ("bf16", "int8", "int4"):
         ref = (x.to(torch.bfloat16).float() if amx else x) @ lowbit.unpack(p).t()
         torch.testing.assert_close(many, ref, rtol=8e-3 if amx else 1e-4, atol=1e-4)
@@ -125,16 +125,38 @@ def test_the_kernel_path_is_the_fastest_the_cpu_has_unless_forced():
     assert lowbit.loaded_path() == kernel_path()
     assert cpu_paths(set()) == ["portable"]
     assert cpu_paths({"avx2", "fma"}) == ["avx2", "portable"]
+    assert cpu_paths({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"}) == ["avx512bf16", "avx512", "avx2",
+                                                                                "portable"]
     assert set(cpu_paths()) <= set(KERNEL_PATHS)
     script = "from dmtd.engine import lowbit; lowbit.load_kernels(); print(lowbit.loaded_path())"
     bad = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DMTD_KERNEL_PATH": "sse9"},
                          capture_output=True, text=True)
-    assert bad.returncode != 0 and "DMTD_KERNEL_PATH must be auto or one of amx, avx512, avx2, portable" in bad.stderr
+    assert bad.returncode != 0
+    assert "DMTD_KERNEL_PATH must be auto or one of amx, avx512bf16, avx512, avx2, portable" in bad.stderr
     missing = [p for p in KERNEL_PATHS if p not in cpu_paths()]
     for path in missing[:1]:
         out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DMTD_KERNEL_PATH": path},
                              capture_output=True, text=True)
         assert out.returncode != 0 and f"DMTD_KERNEL_PATH={path}: this CPU runs only" in out.stderr
+
+
+def test_blocked_bf16_holds_the_same_weights_and_selects_rows(monkeypatch):
+    """The avx512bf16 path's blocked layout (16 outputs' input pairs side by side, outputs padded to 16) stands for
+    the same bf16 weights as the row-major one; a restricted head taken from it holds the chosen rows."""
+    torch.manual_seed(4)
+    w = torch.randn(70, 96)
+    monkeypatch.setenv("DMTD_KERNEL_PATH", "avx512bf16")
+    p = lowbit.pack(w, "bf16")
+    monkeypatch.setenv("DMTD_KERNEL_PATH", "portable")
+    q = lowbit.pack(w, "bf16")
+    assert p.blocked and not q.blocked and p.mode == lowbit.BF16_BLOCKED and q.mode == 1
+    assert p.data.shape == (5, 48, 32) and p.data[4, :, 12:].eq(0).all()  # rows 70..79 padded with zeros
+    assert p.data[1, 7, 2 * 3 + 1] == w[16 + 3, 2 * 7 + 1].to(torch.bfloat16)
+    assert torch.equal(lowbit.unpack(p), lowbit.unpack(q))
+    ids = torch.tensor([69, 0, 17, 33])
+    monkeypatch.setenv("DMTD_KERNEL_PATH", "avx512bf16")
+    r = p.rows(ids)
+    assert r.blocked and r.out_features == 4 and torch.equal(lowbit.unpack(r), lowbit.unpack(q)[ids])
 
 
 def test_bad_shapes_and_formats_are_refused_with_the_rule():

@@ -229,3 +229,48 @@ def test_smollm2_long_shared_prompts_batched_and_cached_give_the_base_models_tok
     again = [r.token_ids for r in e.generate(prompts[::-1], exact)][::-1]  # from the cache, in another order
     assert together == ref and again == ref
     assert e.scheduler.prefix.stats.cached_tokens >= 7 * 384
+
+
+def test_a_finished_answer_is_published_only_where_the_engine_vouches_for_it():
+    """A finished sequence's whole chunks of prompt and answer are published when the engine says its generated KV
+    is a prefill's (``answers``); without that only the prompt's are; the last token's KV (never computed) is not."""
+    g = torch.Generator().manual_seed(11)
+    prompt = rand_ids(g, 10)
+    for vouch in (False, True):
+        e = engine(3, caching=True, chunk=4, slots=2)
+        e.scheduler.kv.answers = (lambda s: True) if vouch else None
+        r = e.generate([prompt], SamplingParams(max_new_tokens=9, exact=True))[0]
+        seq_tokens = prompt + r.token_ids  # 19 tokens: 18 computed, the last never fed
+        st_ = e.scheduler.prefix.stats
+        st_.cached_tokens = 0
+        e.generate([seq_tokens + rand_ids(g, 3)], SamplingParams(max_new_tokens=2, exact=True))
+        assert st_.cached_tokens == (16 if vouch else 8)
+
+
+def test_smollm2_a_second_turn_reads_the_first_answer_and_gets_the_base_models_tokens():
+    """SmolLM2 in bf16, the exact profile (the served default): turn 1's answer is published as it finishes, so
+    turn 2 (turn 1's prompt, its answer, a new message) prefills only what is new — and its tokens are still the
+    base model's, computed alone without any cache."""
+    from dmtd.bench.exact_bench import CHATS
+    from dmtd.engine import lowbit
+    from dmtd.variants.build import build_engine, engine_spec
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+
+    base = build_engine(engine_spec(None, "none", dtype=torch.bfloat16),
+                        EngineConfig(max_num_seqs=2, max_model_len=1024, dtype="bfloat16", prefix_caching=False))
+    e = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=torch.bfloat16, search_dirs=[SHIPPED_VARIANTS]),
+                     EngineConfig(max_num_seqs=4, max_model_len=1024, dtype="bfloat16", adaptive_drafts=True))
+    exact = SamplingParams(max_new_tokens=40, exact=True)
+    publishes = e.scheduler.kv.answers is not None
+    assert publishes == (lowbit.loaded_path() != "amx")
+    for chat in CHATS[:2]:
+        turn1 = e.encode([{"role": "user", "content": chat}])
+        answer = e.generate([turn1], exact)[0].token_ids
+        turn2 = turn1 + answer + e.encode("\nThanks! Now say it again, shorter.")
+        before = e.scheduler.prefix.stats.cached_tokens
+        got = e.generate([turn2], exact)[0].token_ids
+        cached = e.scheduler.prefix.stats.cached_tokens - before
+        ref = base.generate([turn2], SamplingParams(max_new_tokens=40))[0].token_ids
+        assert got == ref
+        if publishes:  # every whole page of turn 1's prompt and answer but the answer's last token
+            assert cached == (len(turn1) + len(answer) - 1) // 16 * 16

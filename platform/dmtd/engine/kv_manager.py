@@ -44,6 +44,10 @@ class KVCacheManager:
         heapq.heapify(self._free_rows)
         # called with a sequence before its row and pages go (the runner writes KV it still owes them)
         self.before_release: Callable[[Sequence], None] | None = None
+        # which sequences' generated positions hold the KV a prefill of their tokens would write, bit for bit, in
+        # the groups a later request of the same salt reads (None: none; the engine decides, see reusable_len)
+        self.answers: Callable[[Sequence], bool] | None = None
+        self._salts: dict[int, str] = {}  # cache row → the salt of its sequence's chunk keys
 
     @property
     def num_free_rows(self) -> int:
@@ -81,6 +85,7 @@ class KVCacheManager:
         if self.prefix is not None:
             # only prompt chunks are published or reused: a generated position's KV came from a decode step
             seq.prefix_keys = chain(seq.token_ids[: seq.prompt_len], self.chunk, salt)
+            self._salts[seq.kv_row] = salt
             # at least the last prompt token is computed: its logits draw the first token
             n, shared = self.prefix.lookup(seq.prefix_keys[: (seq.num_tokens - 1) // self.chunk])
             self.pages.share(seq.kv_row, shared)
@@ -136,9 +141,34 @@ class KVCacheManager:
         """``seq``'s whole prompt chunks prefilled so far become findable (their pages cached)."""
         if self.prefix is None:
             return
-        keys = seq.prefix_keys[: seq.num_prefilled // self.chunk]
+        self._publish(seq, seq.prefix_keys[: seq.num_prefilled // self.chunk])
+
+    def _publish(self, seq: Sequence, keys: list[bytes]) -> None:
+        assert self.prefix is not None
         per = self.chunk // self.pages.page_size
         self.pages.cache(self.prefix.publish(keys, self.pages.tables[seq.kv_row][: len(keys) * per]))
+
+    def reusable_len(self, seq: Sequence) -> int:
+        """How many leading positions of ``seq`` hold the KV that a prefill of its tokens writes: its prompt's
+        prefilled part, and where the engine says so (``answers``) its generated positions up to where every group
+        a reader reads is written (the thinking group's refill and, for an unverified row, the tail path; the last
+        token's KV is never computed)."""
+        n = seq.num_prefilled
+        if seq.num_generated and n >= seq.prompt_len and self.answers is not None and self.answers(seq):
+            done = seq.num_think_cached if seq.params.exact else min(seq.num_think_cached, seq.num_tail_cached)
+            n = max(n, min(done, seq.num_tokens - 1))
+        return n
+
+    def publish_answer(self, seq: Sequence) -> None:
+        """``seq``'s whole chunks of prompt and answer that :meth:`reusable_len` vouches for become findable: the
+        next turn of a conversation (this prompt, this answer, a new message) prefills only what is new."""
+        if self.prefix is None or seq.kv_row < 0:
+            return
+        salt = self._salts.get(seq.kv_row)
+        whole = self.reusable_len(seq) // self.chunk
+        if salt is None or whole <= seq.num_prefilled // self.chunk:
+            return
+        self._publish(seq, chain(seq.token_ids[: whole * self.chunk], self.chunk, salt))
 
     # -- what a step computed: the sequence's fill levels, written here only -------------------------------------
     def plan_prefill(self, seq: Sequence, end: int) -> None:
@@ -192,6 +222,8 @@ class KVCacheManager:
             return
         if self.before_release is not None:
             self.before_release(seq)
+        self.publish_answer(seq)
+        self._salts.pop(seq.kv_row, None)
         self.pages.shrink(seq.kv_row, 0)
         heapq.heappush(self._free_rows, seq.kv_row)
         seq.kv_row = -1

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dmtd.engine import lowbit
 from dmtd.engine.config import DMTDConfig, EngineConfig
 from dmtd.engine.forks import Forks
 from dmtd.engine.logits_process import LogitsShaper
@@ -55,6 +56,11 @@ class LLMEngine:
                                    self.cfg.long_prefill_tokens)
         # an exact prompt's drafts' KV the runner deferred past its first token is written before its pages go
         self.scheduler.kv.before_release = self._catch_up_for
+        # a finished answer's KV serves the conversation's next turn where a decode row computes a position as a
+        # prefill does (prompts as rows on the same kernels; not AMX, whose prompt attention runs on tiles), in the
+        # groups its readers read: the trunk and the verifier's for exact rows, every group where no tail runs
+        if self.rows_prefill and lowbit.loaded_path() != "amx":
+            self.scheduler.kv.answers = lambda s: s.params.exact or dmtd.tau_max == 1
         self.pacer = PrefillPacer(self.cfg.prefill_pace)  # how much prompt a step takes while others decode
         self.default_tau = default_tau or dmtd.tau_max
         eos = eos_token_ids if eos_token_ids is not None else list(model.config.eos_token_ids)

@@ -39,6 +39,7 @@ from dmtd.engine.ops import cpu_paths, kernel_path, simd_kernels
 Quant = Literal["none", "int8", "int4"]
 QUANTS: tuple[str, ...] = ("none", "int8", "int4")
 MODES = {"bf16": 1, "int8": 2, "int4": 3, "i8dot": 4}
+BF16_BLOCKED = 5  # the bf16 format's mode when its weights are blocked (PackedWeight.blocked)
 GROUP = 32
 DOT_BLOCK = 64  # i8dot: activations are quantised per block of this many inputs
 SOURCE = Path(__file__).parent / "kernels" / "lowbit.cpp"
@@ -57,11 +58,12 @@ class KernelUnavailable(ConfigError):
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 PATH_FLAGS: dict[str, list[str]] = {
     "amx": ["-march=native"],
-    "avx512": ["-march=native", *_NO_AMX],
+    "avx512bf16": ["-march=native", *_NO_AMX],
+    "avx512": ["-march=native", "-mno-avx512bf16", *_NO_AMX],
     "avx2": ["-march=native", "-mno-avx512f", *_NO_AMX],
     "portable": ["-march=x86-64"] if os.uname().machine == "x86_64" else ["-march=native"],
 }
-PATH_CODES = {"amx": 3, "avx512": 2, "avx2": 1, "portable": 0}
+PATH_CODES = {"amx": 3, "avx512bf16": 4, "avx512": 2, "avx2": 1, "portable": 0}
 
 
 def _build_dir(path: str) -> Path:
@@ -143,14 +145,17 @@ class PackedWeight:
     """A projection's weight in a packed format; ``project(x)`` is ``x @ W`` for the dense ``W [K, N]``."""
 
     fmt: str  # "bf16" | "int8" | "int4" | "i8dot"
-    data: torch.Tensor  # [N, K] bf16/int8, or [N, K/2] uint8 (two 4-bit weights per byte)
+    data: torch.Tensor  # [N, K] bf16/int8, or [N, K/2] uint8 (two 4-bit weights per byte); blocked bf16: see below
     scales: torch.Tensor  # [N, K/32] (int8), [N, K/32, 2] scale and minimum (int4), [N] (i8dot), empty (bf16)
     in_features: int
     out_features: int
+    # bf16 on the avx512bf16 path: data [ceil(N/16), K/2, 32], blocks of 16 outputs with their input pairs side by
+    # side (kernels/bf16dot.h), scales an empty [N, 0] that carries N to the kernel
+    blocked: bool = False
 
     @property
     def mode(self) -> int:
-        return MODES[self.fmt]
+        return BF16_BLOCKED if self.blocked else MODES[self.fmt]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         if not _loaded:
@@ -159,6 +164,8 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> PackedWeight:
         """The output rows ``ids`` (a restricted lm_head)."""
+        if self.blocked:
+            return pack(unpack(self)[ids], "bf16")  # exact: the values are bf16 already
         return PackedWeight(self.fmt, self.data[ids].contiguous(), self.scales[ids].contiguous()
                             if self.scales.numel() else self.scales, self.in_features, len(ids))
 
@@ -181,6 +188,8 @@ def pack(w_out_major: torch.Tensor, fmt: str) -> PackedWeight:
     if K % block:
         raise ConfigError(f"{fmt} weights need an input size that is a multiple of {block}, got {K}")
     if fmt == "bf16":
+        if blocked_bf16():
+            return PackedWeight(fmt, _block_pairs(w.to(torch.bfloat16)), torch.empty(N, 0), K, N, blocked=True)
         return PackedWeight(fmt, w.to(torch.bfloat16).contiguous(), torch.empty(0), K, N)
     if fmt == "i8dot":
         d = w.abs().amax(-1) / 127.0
@@ -199,9 +208,29 @@ def pack(w_out_major: torch.Tensor, fmt: str) -> PackedWeight:
     return PackedWeight(fmt, packed.reshape(N, K // 2).contiguous(), torch.stack((d, lo), -1).contiguous(), K, N)
 
 
+def blocked_bf16() -> bool:
+    """Whether bf16 weights are packed blocked here: on the ``avx512bf16`` path (kernels/bf16dot.h)."""
+    try:
+        return kernel_path() == "avx512bf16"
+    except ValueError:
+        return False
+
+
+def _block_pairs(w: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[N, K]`` → ``[ceil(N/16), K/2, 32]``: ``out[b, p, 2l + e] = w[16b + l, 2p + e]`` (rows past N zero)."""
+    N, K = w.shape
+    nb = -(-N // 16)
+    padded = torch.zeros(nb * 16, K, dtype=w.dtype)
+    padded[:N] = w
+    return padded.view(nb, 16, K // 2, 2).permute(0, 2, 1, 3).reshape(nb, K // 2, 32).contiguous()
+
+
 def unpack(p: PackedWeight) -> torch.Tensor:
     """The dense ``[N, K]`` float32 weight a packed one stands for."""
     N, K = p.out_features, p.in_features
+    if p.blocked:
+        nb = p.data.shape[0]
+        return p.data.view(nb, K // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, K)[:N].float()
     if p.fmt == "bf16":
         return p.data.float()
     if p.fmt == "i8dot":

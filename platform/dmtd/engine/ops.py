@@ -36,7 +36,8 @@ _LIB.define("top1(Tensor x) -> (Tensor, Tensor)")
 # The AVX2 products' software prefetch distance in bytes (0: none; kernels/lowbit.cpp); returns the one before.
 # ``x``: any CPU tensor (it routes the call to the kernels).
 _LIB.define("set_prefetch(Tensor x, int bytes) -> int")
-# The instruction path the loaded build was compiled for (3 amx, 2 avx512, 1 avx2, 0 portable; -1 AMX refused).
+# The instruction path the loaded build was compiled for (3 amx, 4 avx512bf16, 2 avx512, 1 avx2, 0 portable; -1 AMX
+# refused).
 _LIB.define("kernel_path(Tensor x) -> int")
 
 
@@ -50,10 +51,10 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-KERNEL_PATHS: tuple[str, ...] = ("amx", "avx512", "avx2", "portable")
+KERNEL_PATHS: tuple[str, ...] = ("amx", "avx512bf16", "avx512", "avx2", "portable")
 """The kernels' instruction paths, fastest first. Each is row-invariant by itself (a row's bits do not depend on the
-rows beside it, their number or the kind of pass); two paths give different bits (``amx`` rounds a bf16 product's
-activations to bf16, the others multiply them in float32)."""
+rows beside it, their number or the kind of pass); two paths give different bits (``amx`` and ``avx512bf16`` round a
+bf16 product's activations to bf16 and multiply bf16 by bf16, the others multiply them in float32)."""
 
 
 def _amx_permitted() -> bool:
@@ -73,6 +74,8 @@ def cpu_paths(flags: set[str] | None = None) -> list[str]:
     paths = []
     if {"amx_bf16", "amx_tile", "avx512f", "avx512bw"} <= flags and _amx_permitted():
         paths.append("amx")
+    if {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        paths.append("avx512bf16")
     if "avx512f" in flags:
         paths.append("avx512")
     if {"avx2", "fma"} <= flags:

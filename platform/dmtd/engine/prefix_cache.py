@@ -9,8 +9,11 @@ with the pages that hold it (a chunk is a whole number of pages); the salt names
 one engine (whether the verifying path wrote its decoding group too, and τ where heads sit at absolute positions).
 A new sequence whose prompt starts with published chunks puts their pages at the head of its page table — shared,
 never written again (a sequence writes only positions past its prompt's cached part) — and computes the rest.
-Published chunks outlive their sequences; when the pool needs pages, the least recently used chunk that no running
-sequence holds is dropped (a chain's later chunks before its earlier ones). Torch-free.
+A finished sequence's answer is published the same way (:meth:`dmtd.engine.kv_manager.KVCacheManager.release`)
+where the engine computes a generated position's KV as a prefill of the same tokens would, so a conversation's next
+turn prefills only its new message. Published chunks outlive their sequences; when the pool needs pages, the least
+recently used chunk that no running sequence holds is dropped (a chain's later chunks before its earlier ones).
+Torch-free.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "steal.h"
+
 namespace dmtd_amx {
 
 // Linux hands out the 8 KiB tile state only on request, once per process.
@@ -164,22 +166,7 @@ inline void linear_bf16(const float* x, const uint16_t* w, float* y, int64_t M, 
       _tile_release();
       continue;
     }
-    // each thread its own range first, then what is left of the others' (a preempted thread holds nobody up)
-    struct alignas(64) Range { std::atomic<int64_t> next; int64_t end; };
-    std::vector<Range> ranges(T);
-    for (int64_t t = 0; t < T; ++t) {
-      ranges[t].next.store(pairs * t / T, std::memory_order_relaxed);
-      ranges[t].end = pairs * (t + 1) / T;
-    }
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-      configure();
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t v = 0; v < T; ++v) {
-          Range& r = ranges[(t + v) % T];
-          for (int64_t p; (p = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) run(p);
-        }
-      _tile_release();
-    });
+    dmtd_steal::run(pairs, T, run, [] { configure(); }, [] { _tile_release(); });
   }
 }
 

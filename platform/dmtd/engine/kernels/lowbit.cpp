@@ -24,8 +24,10 @@
 #endif
 
 #include "amx.h"
+#include "bf16dot.h"
 #include "attend.h"
 #include "attend_amx.h"
+#include "steal.h"
 
 namespace {
 
@@ -41,7 +43,7 @@ constexpr int64_t MB = 8;   // activation rows per weight pass
 // scripts/bench_prefetch.py): on the AVX2 machine measured (AMD EPYC Milan, 2 cores) a decode step streams its
 // weights from memory 3-8 % faster with it (2 KiB) than on the hardware prefetcher alone.
 std::atomic<int64_t> g_prefetch{2048};
-enum Mode : int64_t { BF16 = 1, INT8 = 2, INT4 = 3, I8DOT = 4 };
+enum Mode : int64_t { BF16 = 1, INT8 = 2, INT4 = 3, I8DOT = 4, BF16_BLOCKED = 5 };
 constexpr int64_t QB = 64;  // I8DOT: activations quantised per block of 64 along K
 
 inline float bf16_to_float(uint16_t v) {
@@ -375,8 +377,29 @@ void i8dot_rows(int64_t mb, const int8_t* w, const float* s, const QuantX& q, fl
 
 // x [..., K] (float32 or bfloat16) → y [..., N] in x's dtype; w: packed [N, K] (bf16 / int8) or [N, K/2] (int4).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t mode) {
-  TORCH_CHECK(mode >= BF16 && mode <= I8DOT, "dmtd::linear: unknown mode ", mode);
+  TORCH_CHECK(mode >= BF16 && mode <= BF16_BLOCKED, "dmtd::linear: unknown mode ", mode);
   TORCH_CHECK(w.is_contiguous() && s.is_contiguous(), "dmtd::linear: packed weights must be contiguous");
+  if (mode == BF16_BLOCKED) {  // w [ceil(N/16), K/2, 32] bf16; s an empty [N, 0] carrying N (bf16dot.h)
+#if defined(DMTD_BF16DOT)
+    TORCH_CHECK(w.dim() == 3 && w.size(2) == 32 && s.dim() == 2 && w.size(0) == (s.size(0) + 15) / 16,
+                "dmtd::linear: blocked bf16 weights are [ceil(N/16), K/2, 32] with an empty [N, 0] beside them");
+    const int64_t N = s.size(0), K = w.size(1) * 2;
+    TORCH_CHECK(x.size(-1) == K, "dmtd::linear: x has ", x.size(-1), " features, the weight ", K);
+    TORCH_CHECK(K % G == 0, "dmtd::linear: K must be a multiple of ", G);
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = N;
+    const at::Tensor x32 = x.reshape({-1, K}).to(at::kFloat).contiguous();
+    const int64_t M = x32.size(0);
+    at::Tensor y = at::empty({M, N}, x32.options());
+    if (M > 0)
+      dmtd_bf16dot::linear(x32.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                           y.data_ptr<float>(), M, K, N);
+    y = y.view(out_shape);
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+#else
+    TORCH_CHECK(false, "dmtd::linear: blocked bf16 weights need the avx512bf16 kernel path");
+#endif
+  }
   const int64_t N = w.size(0);
   const int64_t K = mode == INT4 ? w.size(1) * 2 : w.size(1);
   TORCH_CHECK(x.size(-1) == K, "dmtd::linear: x has ", x.size(-1), " features, the weight ", K);
@@ -420,20 +443,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
   if (T <= 1 || at::in_parallel_region()) {
     for (int64_t c = 0; c < chunks; ++c) chunk(c);
   } else {
-    struct alignas(64) Range { std::atomic<int64_t> next; int64_t end; };
-    std::vector<Range> ranges(T);
-    for (int64_t t = 0; t < T; ++t) {
-      ranges[t].next.store(chunks * t / T, std::memory_order_relaxed);
-      ranges[t].end = chunks * (t + 1) / T;
-    }
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t v = 0; v < T; ++v) {  // own range first, then the others'
-          Range& r = ranges[(t + v) % T];
-          for (int64_t c; (c = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) chunk(c);
-        }
-      }
-    });
+    dmtd_steal::run(chunks, T, chunk);
   }
   y = y.view(out_shape);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
@@ -787,11 +797,13 @@ int64_t set_prefetch(const at::Tensor& x, int64_t bytes) {
 }
 
 // The instruction path this build was compiled for (dmtd.engine.lowbit.KERNEL_PATHS): 3 AMX (bf16 products on
-// tiles), 2 AVX-512, 1 AVX2 with FMA, 0 plain loops; −1 for an AMX build in a process the OS refuses tiles.
+// tiles), 4 AVX512-BF16 (bf16 dot products, blocked weights), 2 AVX-512, 1 AVX2 with FMA, 0 plain loops; −1 for an AMX build in a process the OS refuses tiles.
 int64_t kernel_path(const at::Tensor& x) {
   (void)x;
 #if defined(DMTD_AMX)
   return dmtd_amx::ready() ? 3 : -1;
+#elif defined(DMTD_BF16DOT)
+  return 4;
 #elif defined(__AVX512F__)
   return 2;
 #elif defined(DMTD_AVX2)
