@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
+from dmtd.bench.routing_bench import route_decisions
 from dmtd.client import DMTDClient
 from dmtd.serve.prefix_router import InFlight, PrefixIndex, prompt_text, text_keys
-from dmtd.serve.routing_bench import route_decisions
 from tests.serve.conftest import VARIANT, free_port
 
 SYSTEMS = [" ".join(f"Policy {p}.{i}: reply politely and concisely about subject {i * 3 + p}." for i in range(40))

@@ -12,7 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dmtd.serve.errors import InvalidRequest, TooLarge
 from dmtd_contract.records import ReplicaRequest
+
+__all__ = ["InvalidRequest", "Limits", "TooLarge", "check_types", "from_proto", "validate"]
 
 PROFILES = {0: "", 1: "quality", 2: "balanced", 3: "speed", 4: "exact", 5: "adaptive"}  # "": the variant's default
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -33,21 +36,6 @@ class Limits(BaseModel):
     max_prompt_chars: int = Field(default=65536, ge=1, description="prompt, or all chat contents together, characters "
                                                             "(checked before tokenising); also caps prompt token ids")
     max_messages: int = Field(default=256, ge=1, description="chat messages per request")
-
-
-class InvalidRequest(ValueError):
-    """A request field breaks a rule."""
-
-    def __init__(self, field_name: str, rule: str) -> None:
-        super().__init__(f"{field_name}: {rule}")
-        self.field, self.rule = field_name, rule
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (type(self), (self.field, self.rule))
-
-
-class TooLarge(InvalidRequest):
-    """The request as a whole exceeds a size limit (HTTP 413; gRPC INVALID_ARGUMENT)."""
 
 
 _NUM = (int, float)

@@ -35,6 +35,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dmtd.bench.exact_bench import CHATS
+
 AGAINST = ("vllm",)
 # (key in our rows, key in vllm bench serve's result, heading)
 METRICS = (("tokens_per_s", "output_throughput", "tok/s"), ("ttft_mean_ms", "mean_ttft_ms", "TTFT mean"),
@@ -43,17 +45,7 @@ METRICS = (("tokens_per_s", "output_throughput", "tok/s"), ("ttft_mean_ms", "mea
 COUNTS = (("requests", "completed"), ("failed", "failed"), ("output_tokens", "total_output_tokens"),
           ("input_tokens", "total_input_tokens"), ("wall_s", "duration"))
 SIDES = ("vllm", "dmtd")
-# dmtd.bench.exact_bench.CHATS (the serving layer may not import the bench package; a test keeps them equal)
-CHAT_PROMPTS = (
-    "Explain in three sentences why the sky is blue.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What are three tips for staying focused while studying?",
-    "Describe how a bicycle works to a ten-year-old.",
-    "Give me a simple recipe for pancakes.",
-    "Why do cats purr? Answer in a short paragraph.",
-    "List five interesting facts about the moon.",
-    "How does a refrigerator keep food cold?",
-)
+CHAT_PROMPTS = tuple(CHATS)  # the exact benchmarks' chats: none is in a training corpus
 PREFIX = {"prefixes": 4, "prefix_len": 1024, "suffix_len": 64, "concurrency": 4, "requests": 32}
 KVCACHE_GIB = "4"  # VLLM_CPU_KVCACHE_SPACE: fits a 24 GiB machine beside our stack's idle processes
 

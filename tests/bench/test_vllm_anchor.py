@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dmtd.serve import vllm_anchor as va
-from dmtd.serve.bench import add_bench_serve_args, run_bench_serve
+from dmtd.bench import vllm_anchor as va
+from dmtd.bench.serve_bench import add_bench_serve_args, run_bench_serve
 
 # the figures `vllm bench serve --save-result --metric-percentiles 50,99` writes, trimmed
 VLLM = {"completed": 8, "failed": 0, "total_input_tokens": 400, "total_output_tokens": 512, "duration": 4.0,
