@@ -38,7 +38,7 @@ demo: setup
 
 lint: $(STAMP)
 	$(BIN)/ruff check platform operator tests
-	$(BIN)/mypy platform/dmtd/engine platform/dmtd/variants platform/dmtd/registry platform/dmtd/serve platform/dmtd/telemetry platform/dmtd/web platform/dmtd/train platform/dmtd/client.py \
+	$(BIN)/mypy platform/dmtd/engine platform/dmtd/bench platform/dmtd/variants platform/dmtd/registry platform/dmtd/serve platform/dmtd/telemetry platform/dmtd/web platform/dmtd/train platform/dmtd/client.py \
 		operator/dmtd_operator contract/dmtd_contract
 	$(BIN)/lint-imports
 

@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass, field
 TokenLogprob = tuple[int, bytes, float, list[tuple[int, bytes, float]]]
 
 
+# the length of an answer whose request names none: one default for the gRPC and OpenAI APIs, the client and the replica
+MAX_NEW_TOKENS_DEFAULT = 128
+
+
 @dataclass(slots=True)
 class ReplicaRequest:
     """What a replica needs to run one request."""
@@ -25,7 +29,7 @@ class ReplicaRequest:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt_token_ids: list[int] | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS_DEFAULT
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -49,14 +49,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from dmtd.serve.bench import run_bench_serve
+    from dmtd.bench.serve_bench import run_bench_serve
 
     run_bench_serve(args, default_variant())
     return 0
 
 
 def cmd_bench_routing(args: argparse.Namespace) -> int:
-    from dmtd.serve.routing_bench import run_routing_bench
+    from dmtd.bench.routing_bench import run_routing_bench
 
     run_routing_bench(args, default_variant())
     return 0
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         bp.set_defaults(func=cmd_bench_in_process)
     # parsed by the simulator itself (see main); listed here for --help
     bsub.add_parser("autoscale", help="replay load traces against the autoscaling policies", add_help=False)
-    from dmtd.serve.bench import add_bench_serve_args
+    from dmtd.bench.serve_bench import add_bench_serve_args
     from dmtd.serve.local import add_serve_args
 
     bs = bsub.add_parser("serve", help="load over real gRPC: τ=1 vs τ=3 vs adaptive at several concurrencies")
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_serve)
     br = bsub.add_parser("routing", help="two replicas, shared system prompts: prefix-aware routing beside Serve's "
                          "default, one run")
-    from dmtd.serve.routing_bench import add_routing_bench_args
+    from dmtd.bench.routing_bench import add_routing_bench_args
 
     add_routing_bench_args(br)
     br.set_defaults(func=cmd_bench_routing)

@@ -17,6 +17,7 @@ import grpc
 
 from dmtd.v1 import generate_pb2 as pb
 from dmtd.v1 import generate_pb2_grpc as pb_grpc
+from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT
 
 PROFILES = {"": pb.CYCLE_PROFILE_UNSPECIFIED, "adaptive": pb.CYCLE_PROFILE_ADAPTIVE,
             "quality": pb.CYCLE_PROFILE_QUALITY, "balanced": pb.CYCLE_PROFILE_BALANCED, "speed": pb.CYCLE_PROFILE_SPEED,
@@ -26,7 +27,8 @@ FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"
 
 
 def build_request(prompt: str | None = None, messages: Sequence[dict[str, str]] | None = None, variant: str = "",
-                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  max_new_tokens: int = MAX_NEW_TOKENS_DEFAULT, temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tau_min: int = 0, tau_max: int = 0, min_confidence: float | None = None,
                   profile: str = "", min_block_tokens: int = 0, flush_interval_ms: int = 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dmtd.serve.bench import add_bench_serve_args, run_bench_serve, summarize
+from dmtd.bench.serve_bench import add_bench_serve_args, run_bench_serve, summarize
 
 
 def test_bench_serve_runs_all_policies(stack, tmp_path):
@@ -66,8 +66,8 @@ def test_stage_breakdown_comes_from_both_processes_spans(stack):
     request's lifetime, tokens as streamed."""
     import uuid
 
-    from dmtd.serve.bench import closed_loop
-    from dmtd.serve.bench_stages import MEASURES, STAGES, collect_stages
+    from dmtd.bench.serve_bench import closed_loop
+    from dmtd.bench.serve_stages import MEASURES, STAGES, collect_stages
 
     tag = f"stages-{uuid.uuid4().hex[:8]}"
     res, _ = closed_loop(stack.grpc_target, "tau1", 2, 2, 6, tag)
@@ -86,11 +86,11 @@ def test_the_in_process_engine_shows_its_controller_the_load_a_replica_would(smo
     the last finished. The in-process engine must not count it as queued when it tells its controller the
     load (it did, and the controller held the engine at its pressure gate and a raised τ at every request
     boundary, a faster and lower-quality operating point than the replica's)."""
+    from dmtd.bench.engine_compare import engine_closed_loop
+    from dmtd.bench.serve_bench import PROMPTS
     from dmtd.engine.config import DMTDConfig, EngineConfig
     from dmtd.engine.llm import LLMEngine
-    from dmtd.serve.bench import PROMPTS
     from dmtd.serve.controller import ControllerConfig, Decision, TauController
-    from dmtd.serve.engine_compare import engine_closed_loop
 
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=4, max_model_len=256), default_tau=1)
@@ -114,11 +114,11 @@ def test_the_in_process_engine_runs_the_profile_a_replica_would(smollm2):
     """A request that names no profile runs the variant's default there (the exact profile for the shipped
     variant): the in-process side of ``--compare-engine`` must run it too. It ran the unverified DMTD profile, and
     the stack (exact) read 0.68 of an engine doing other work. The ``dmtd`` and ``exact`` policies name theirs."""
+    from dmtd.bench.engine_compare import engine_closed_loop
+    from dmtd.bench.serve_bench import POLICIES, PROMPTS
     from dmtd.engine.config import DMTDConfig, EngineConfig
     from dmtd.engine.llm import LLMEngine
-    from dmtd.serve.bench import POLICIES, PROMPTS
     from dmtd.serve.controller import ControllerConfig, TauController
-    from dmtd.serve.engine_compare import engine_closed_loop
 
     engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
                        EngineConfig(max_num_seqs=2, max_model_len=256), default_tau=1)

@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
+from dmtd.bench.routing_bench import route_decisions
 from dmtd.client import DMTDClient
-from dmtd.serve.prefix_router import InFlight, PrefixIndex, prompt_text, text_keys
-from dmtd.serve.routing_bench import route_decisions
+from dmtd.serve.prefix_router import InFlight, PrefixIndex, gateway_sink, prompt_text, text_keys
 from tests.serve.conftest import VARIANT, free_port
 
 SYSTEMS = [" ".join(f"Policy {p}.{i}: reply politely and concisely about subject {i * 3 + p}." for i in range(40))
@@ -66,8 +66,10 @@ def test_requests_follow_their_prefix_and_prefixes_spread(two_replicas):
 
 
 def test_the_gateway_counts_decisions_by_reason(two_replicas):
-    """The decisions above reach the gateway's metrics (the router class Serve hands the gateway is a copy whose
-    module globals are not the ones the gateway's listener was added to)."""
+    """The decisions above reach the gateway's metrics: the router reports each to the Serve replica it runs in, the
+    gateway (``on_route_decision``; the router class Serve hands the gateway can be a copy of its module, so nothing
+    goes through that module's globals). Outside a replica a router has no gateway to report to."""
+    assert gateway_sink() is None
     from ray import serve
 
     url = serve.get_deployment_handle("Gateway", app_name="dmtd-two").info.remote().result()["metrics_url"]

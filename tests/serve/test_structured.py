@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dmtd.serve.openai_models import expand, parse_body
-from dmtd.serve.requests import InvalidRequest, Limits
+from dmtd.serve.requests import InvalidRequest, Limits, validate
 from dmtd.serve.structured import tool_calls
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -85,3 +85,35 @@ def test_tools_are_described_and_required_calls_constrained():
     req, _ = parse(messages=msgs, tools=[TOOL])
     assert req.messages[2] == {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'}
     assert req.messages[3] == {"role": "user", "content": "Result of tool call c1: rain"}
+
+
+@pytest.mark.parametrize("chat,body,limits,message", [
+    (True, {"tau_min": 3, "tau_max": 2}, {}, "tau_min: must be <= tau_max (2), got 3"),
+    (False, {"tau_min": 3, "tau_max": 2}, {}, "tau_min: must be <= tau_max (2), got 3"),
+    (True, {"messages": [{"role": "user", "content": "x" * 40}]}, {"max_prompt_chars": 32},
+     "messages[0].content: all contents together at most 32 characters"),
+    (True, {"messages": CHAT * 3}, {"max_messages": 2}, "messages: at most 2 messages, got 3"),
+    (False, {"prompt": [1] * 40}, {"max_prompt_chars": 32}, "prompt: at most 32 token ids, got 40"),
+])
+def test_validation_raises_in_the_openai_apis_own_names(chat, body, limits, message):
+    """What the shared validation refuses, an OpenAI request hears in its API's names, as raised (nothing renamed);
+    the gRPC API's names for the same rule are its own."""
+    with pytest.raises(InvalidRequest) as e:
+        parse_body(json.dumps({"model": "m", **({"messages": CHAT} if chat else {"prompt": "hi"}), **body}).encode(),
+                   chat, 0.0, Limits(**limits))
+    assert str(e.value) == message and e.value.__cause__ is None
+    req, _ = parse(chat=chat)
+    req.tau_min, req.tau_max = 3, 2
+    with pytest.raises(InvalidRequest) as g:
+        validate(req)
+    assert str(g.value) == "cycle.tau_min: must be <= cycle.tau_max (2), got 3" and g.value.field == "cycle.tau_min"
+
+
+def test_a_request_that_names_no_length_gets_the_one_default():
+    from dmtd.client import build_request
+    from dmtd.serve.requests import from_proto
+    from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT, ReplicaRequest
+
+    assert parse(chat=True)[0].max_new_tokens == parse(chat=False)[0].max_new_tokens == MAX_NEW_TOKENS_DEFAULT
+    assert from_proto(build_request(prompt="hi", max_new_tokens=0), 0.0).max_new_tokens == MAX_NEW_TOKENS_DEFAULT
+    assert build_request(prompt="hi").max_new_tokens == ReplicaRequest("r").max_new_tokens == MAX_NEW_TOKENS_DEFAULT

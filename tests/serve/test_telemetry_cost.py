@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from dmtd.bench.serve_bench import add_bench_serve_args, run_bench_serve
 from dmtd.cli import main
-from dmtd.serve.bench import add_bench_serve_args, run_bench_serve
 from dmtd.telemetry import cost
 
 

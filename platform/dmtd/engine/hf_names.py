@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 
-from dmtd.engine.config import ConfigError
-
-if TYPE_CHECKING:
-    from dmtd.engine.model import Transformer
+from dmtd.engine.config import ConfigError, ModelConfig
 
 
-def fused_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model``'s state dict from HF names (``model.layers.N.self_attn.q_proj.weight`` …), shapes checked."""
-    cfg = model.config
+def fused_state_dict(cfg: ModelConfig, expected: Mapping[str, torch.Tensor],
+                     sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict of a model of ``cfg`` whose own tensors are ``expected`` (its ``state_dict()``: names and
+    shapes), from HF names (``model.layers.N.self_attn.q_proj.weight`` …), shapes checked."""
     own: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
@@ -25,7 +23,7 @@ def fused_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> dict[st
 
     own["embed_tokens.weight"] = take("embed_tokens.weight")
     own["norm.weight"] = take("norm.weight")
-    if model.lm_head is not None:
+    if "lm_head.weight" in expected:  # an untied head
         own["lm_head.weight"] = sd.get("lm_head.weight", own["embed_tokens.weight"]).t()
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -43,19 +41,16 @@ def fused_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> dict[st
         own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight").t()
         for n in ("input_layernorm", "post_attention_layernorm"):
             own[p + n + ".weight"] = take(p + n + ".weight")
-    expected = {k: v.shape for k, v in model.state_dict().items()}
     for k, t in own.items():
-        if tuple(t.shape) != tuple(expected[k]):
-            raise ConfigError(f"tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k])}")
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise ConfigError(f"tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
     return {k: v.contiguous() for k, v in own.items()}
 
 
-def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """``model``'s tensors under HF names (unfused), for checkpoints and tests."""
-    cfg = model.config
-    sd = model.state_dict()
+def hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of a model of ``cfg`` (its ``state_dict()``) under HF names (unfused), for checkpoints and tests."""
     out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
-    if model.lm_head is not None:
+    if "lm_head.weight" in sd:
         out["lm_head.weight"] = sd["lm_head.weight"].t()
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim

@@ -18,6 +18,7 @@ from torch import nn
 
 from dmtd.engine.config import DMTDConfig, ModelConfig
 from dmtd.engine.decode_kernel import decode_layers
+from dmtd.engine.hf_names import fused_state_dict, hf_state_dict
 from dmtd.engine.kv_cache import gather_pages
 from dmtd.engine.rope import apply_rope, rope_tables
 
@@ -386,13 +387,9 @@ class Transformer(nn.Module):
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face tensor names (``model.layers.N.self_attn.q_proj.weight`` …), fusing projections."""
-        from dmtd.engine.hf_names import fused_state_dict
-
-        self.load_state_dict(fused_state_dict(self, sd), strict=True)
+        self.load_state_dict(fused_state_dict(self.config, self.state_dict(), sd), strict=True)
         self.lm_head_t, self._weights = None, None
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`load_hf_state_dict` (unfused HF names), for checkpoints and tests."""
-        from dmtd.engine.hf_names import hf_state_dict
-
-        return hf_state_dict(self)
+        return hf_state_dict(self.config, self.state_dict())

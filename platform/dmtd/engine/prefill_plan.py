@@ -19,7 +19,6 @@ from dmtd.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from dmtd.engine.kv_manager import KVCacheManager
-    from dmtd.engine.scheduler import SchedulerOutput
 
 __all__ = ["AGE_STEPS", "STEP_KEYS", "PrefillPlanning"]
 
@@ -47,16 +46,16 @@ class PrefillPlanning:
     last_prefill_keys: float
 
     if TYPE_CHECKING:  # the scheduler's own
-        def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool: ...
+        def _admit(self, seq: Sequence) -> bool: ...
 
-    def _plan_prefill(self, out: SchedulerOutput, paced: bool, keys: float) -> None:
-        """The prompts this step computes into ``out.prefill``, each planned to its end (``kv.plan_prefill``);
+    def _plan_prefill(self, prefill: list[Sequence], paced: bool, keys: float) -> None:
+        """The prompts this step computes into ``prefill`` (the step's), each planned to its end (``kv.plan_prefill``);
         ``paced``: sequences decode beside it and ``keys`` is the work the pacer grants the step."""
         C = self.prefill_chunk
         budget = C if self.running else self.max_prefill_tokens
         if self.free_split:  # every prompt that gets its pages now is admitted, then served in _prefill_order
             while self.waiting and self.kv.fits(self.waiting[0], len(self.running) + len(self.prefilling)):
-                if not self._admit(self.waiting.popleft(), out):
+                if not self._admit(self.waiting.popleft()):
                     break
             for s in self.prefilling:  # chunks published since its admission count as done
                 self.kv.reuse(s)
@@ -74,7 +73,7 @@ class PrefillPlanning:
                 seq = queue.pop(0)
             elif self.waiting and self.kv.fits(self.waiting[0], len(self.running) + len(self.prefilling)):
                 seq = self.waiting.popleft()
-                if not self._admit(seq, out):
+                if not self._admit(seq):
                     break
             else:
                 break
@@ -83,17 +82,17 @@ class PrefillPlanning:
             target = seq.resume_len or seq.num_tokens
             left = target - seq.num_prefilled
             whole = self.free_split and (not paced or self._short(seq))
-            if (whole and stagger and out.prefill
+            if (whole and stagger and prefill
                     and self.last_prefill_keys + prompt_cost(seq.num_prefilled, target) > STEP_KEYS):
                 break  # a step holds one prompt, or short ones up to STEP_KEYS: it answers none of them before
                 # its end, so the first ones start while the rest go on
             if paced and whole:  # a short prompt whole, now: the first whatever its cost, more while they fit
-                if out.prefill and prompt_cost(seq.num_prefilled, target) > keys:
+                if prefill and prompt_cost(seq.num_prefilled, target) > keys:
                     break
                 end = target
                 keys -= prompt_cost(seq.num_prefilled, end)
             elif paced:  # what fits the step's budget, anywhere (at least one position)
-                if out.prefill and prompt_cost(seq.num_prefilled, seq.num_prefilled + 1) > keys:
+                if prefill and prompt_cost(seq.num_prefilled, seq.num_prefilled + 1) > keys:
                     break
                 end = end_within(seq.num_prefilled, target, keys)
                 keys -= prompt_cost(seq.num_prefilled, end)
@@ -109,7 +108,7 @@ class PrefillPlanning:
             claimed.update(self.kv.chunks_ahead(seq))
             if not paced:
                 budget -= end - seq.num_prefilled
-            out.prefill.append(seq)
+            prefill.append(seq)
 
     def _short_due(self, paced: bool) -> bool:
         """A short prompt is waiting beside decoding: it waits for no pacing credit (it still alternates with decode

@@ -157,7 +157,7 @@ class Scheduler(PrefillPlanning):
         keys = (self.ride_budgets.get(kind) if kind is not None and carrier else self.prefill_budget) or 0.0
         if (not (self.running and self._last_prefill and self.prefilling)
                 and not (paced and keys < 0 and not self._short_due(paced)) and not (kind and not carrier)):
-            self._plan_prefill(out, paced, keys)
+            self._plan_prefill(out.prefill, paced, keys)
         if carrier and out.prefill:
             out.ride, out.prefill = out.prefill, []
             self.num_rides += 1
@@ -211,7 +211,7 @@ class Scheduler(PrefillPlanning):
         out, self._preempted = self._preempted, []
         return out
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _admit(self, seq: Sequence) -> bool:
         """A cache row and KV pages for ``seq`` (its prompt's published chunks shared); False (back to the queue's
         head) if the pool cannot give them."""
         salt = f"{int(seq.params.exact)}:{seq.tau if self.dmtd.phase_anchor == 'absolute' else 0}"

@@ -20,7 +20,7 @@ from dmtd.serve.settings import (
     telemetry_args,
 )
 
-__all__ = ["EngineBuilder", "GatewayIngress", "build_app"]
+__all__ = ["EngineBuilder", "GatewayIngress", "build_app", "finished_spans"]
 
 
 def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
@@ -72,3 +72,10 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
     return gateway.bind(handles, infos, cfg.default, cfg.grpc_host, cfg.grpc_port, cfg.max_inflight, cfg.registry_url,
                         telemetry, deployments, limits, cfg.api_keys_file, cfg.tls_cert_file, cfg.tls_key_file,
                         cfg.block_push, cfg.http_host, cfg.http_port)
+
+
+def finished_spans(app_name: str, deployment: str) -> list[dict[str, Any]]:
+    """The spans a running deployment of ``app_name`` (``Gateway``, ``DMTDReplica``) keeps in memory; the caller is
+    the Ray driver of the stack (``dmtd bench serve`` reads its stages from them)."""
+    handle = serve.get_deployment_handle(deployment, app_name=app_name)
+    return list(handle.finished_spans.remote().result())

@@ -1,5 +1,6 @@
 """Typed request failures raised inside a replica; they cross Ray by pickling and the gateway maps them to
-status codes (gRPC status, HTTP status) in one place (``GatewayCore._map_error``)."""
+status codes (gRPC status, HTTP status) in one place (``GatewayCore._map_error``). ``InvalidRequest`` and ``TooLarge``
+are raised at the edge, by request validation (``dmtd.serve.requests``, ``dmtd.serve.structured``)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,18 @@ class ReplicaInternalError(RuntimeError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         return (ReplicaInternalError, (self.detail, self.error_id))
+
+
+class InvalidRequest(ValueError):
+    """A request field breaks a rule."""
+
+    def __init__(self, field_name: str, rule: str) -> None:
+        super().__init__(f"{field_name}: {rule}")
+        self.field, self.rule = field_name, rule
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.field, self.rule))
+
+
+class TooLarge(InvalidRequest):
+    """The request as a whole exceeds a size limit (HTTP 413; gRPC INVALID_ARGUMENT)."""

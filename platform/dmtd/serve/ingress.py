@@ -67,12 +67,10 @@ class Gateway:
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
                                                               server_credentials(tls_cert_file, tls_key_file))
         self.replica_deployments = replica_deployments or {}
-        variant_of = {dep: v for v, dep in self.replica_deployments.items()}
-        for v in variant_of.values():  # a zero series of each reason from the start
+        self.variant_of = {dep: v for v, dep in self.replica_deployments.items()}
+        for v in self.variant_of.values():  # a zero series of each reason from the start
             for reason in prefix_router.REASONS:
                 self.telemetry.ins.add(m.ROUTE_DECISIONS_TOTAL, 0, variant=v, reason=reason)
-        prefix_router.LISTENERS.append(lambda dep, reason: self.telemetry.ins.add(
-            m.ROUTE_DECISIONS_TOTAL, 1, variant=variant_of.get(dep, dep), reason=reason))
         self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
         self.view: Any = None
         if registry_url:
@@ -151,6 +149,11 @@ class Gateway:
                 "metrics_url": self.telemetry.metrics_url,
                 "block_sink": None if sink is None else {"address": sink.address, "open": sink.num_open,
                                                          "frames": sink.num_frames, "dropped": sink.num_dropped}}
+
+    def on_route_decision(self, deployment: str, reason: str) -> None:
+        """A prefix router's decision for one of this gateway's replica deployments (dmtd.serve.prefix_router)."""
+        self.telemetry.ins.add(m.ROUTE_DECISIONS_TOTAL, 1, variant=self.variant_of.get(deployment, deployment),
+                               reason=reason)
 
     async def finished_spans(self, trace_id: str | None = None) -> list[dict[str, Any]]:
         """Finished spans held by the in-memory exporter (all, or one trace's)."""

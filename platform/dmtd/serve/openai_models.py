@@ -22,12 +22,13 @@ from dmtd.serve.requests import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_TOP_LOGPROBS,
+    FieldNames,
     InvalidRequest,
     Limits,
     validate,
 )
 from dmtd.serve.structured import chat_messages, grammar_for
-from dmtd_contract.records import ReplicaRequest
+from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT, ReplicaRequest
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -195,8 +196,16 @@ def _invalid(e: ValidationError) -> InvalidRequest:
     return InvalidRequest(field, err["msg"])
 
 
+def openai_names(chat: bool) -> FieldNames:
+    """The OpenAI API's names of the request's fields, in which validation raises (``max_tokens``,
+    ``messages[0].content``, ``temperature``); the input as a whole is ``messages`` or ``prompt``."""
+    return FieldNames(sampling="", cycle="", messages="messages", max_new_tokens="max_tokens",
+                      input="messages" if chat else "prompt", prompt_token_ids="messages" if chat else "prompt")
+
+
 def openai_field(name: str, chat: bool) -> str:
-    """An internal field name (``max_new_tokens``, ``chat.messages[0].content``) in the OpenAI API's terms."""
+    """A field name a replica raised in (``max_new_tokens``, ``chat.messages[0].content``: it is called past the
+    edge and knows no API) in the OpenAI API's terms."""
     if name.startswith("chat.messages"):
         return "messages" + name[len("chat.messages"):]
     for prefix in ("sampling.", "cycle."):
@@ -210,7 +219,7 @@ def openai_field(name: str, chat: bool) -> str:
 
 
 def openai_text(text: str) -> str:
-    """Internal field names inside a message, in the OpenAI API's terms."""
+    """A replica's message (see :func:`openai_field`) with the field names in it in the OpenAI API's terms."""
     for internal, public in (("chat.messages", "messages"), ("max_new_tokens", "max_tokens"), ("sampling.", ""),
                              ("cycle.", "")):
         text = text.replace(internal, public)
@@ -255,7 +264,7 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
     except ValidationError as e:
         raise _invalid(e) from e
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 128
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or MAX_NEW_TOKENS_DEFAULT
     req = ReplicaRequest(
         request_id=body.user_request_id or "", max_new_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -275,7 +284,4 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
             req.prompt = str(body.prompt[0])
         else:
             req.prompt_token_ids = [int(t) for t in body.prompt]
-    try:
-        return validate(req, limits), body
-    except InvalidRequest as e:
-        raise InvalidRequest(openai_field(e.field, chat), openai_text(e.rule)) from e
+    return validate(req, limits, openai_names(chat)), body

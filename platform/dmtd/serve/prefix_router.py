@@ -11,37 +11,41 @@ A replica's load is the requests this router sent it that have not completed (:c
 moment of the choice), or Serve's cached queue length for it where that is higher: the cache alone lags a burst
 (it counts a request once it is sent, and forgets a replica's entry after a while), and a burst of 12 new
 requests once all went to one replica.
-Replicas that leave (scaled down, died) are dropped from the index. Decisions are counted by reason
-(:data:`DECISIONS`, exported by the gateway's telemetry).
+Replicas that leave (scaled down, died) are dropped from the index. Each decision, by reason, goes to the gateway
+the router runs in (:func:`gateway_sink`: ``GatewayIngress.on_route_decision``, its metrics).
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 CHUNK_CHARS = 256  # about 64 SmolLM2 tokens: the index's grain
 MAX_KEYS = 200_000  # keys kept (least recently used dropped): ~50 M characters of prompts
 REASONS = ("prefix", "new_prefix", "load")
-DECISIONS: Counter[tuple[str, str]] = Counter()  # (deployment, reason) → decisions, in this process
-LISTENERS: list[Callable[[str, str], None]] = []  # told of each decision (deployment, reason): the gateway's metrics
 
 
-def record_decision(deployment: str, reason: str) -> None:
-    """Count a decision and tell the listeners, in this module as the process imported it: the router class Serve
-    hands a process can be a copy carrying its own copy of this module's globals (the gateway's listener, added to
-    the imported module, never heard of a decision)."""
-    shared = sys.modules.get(__name__)
-    counts, listeners = (shared.DECISIONS, shared.LISTENERS) if shared is not None else (DECISIONS, LISTENERS)
-    counts[(deployment, reason)] += 1
-    for listen in listeners:
-        listen(deployment, reason)
+class DecisionSink(Protocol):
+    """What a router reports its decisions to: the gateway whose handles it routes for (``GatewayIngress``)."""
+
+    def on_route_decision(self, deployment: str, reason: str) -> None: ...
+
+
+def gateway_sink() -> DecisionSink | None:
+    """The Serve replica this router runs in, when it takes decisions (Serve builds a handle's router inside the
+    process that holds the handle: the gateway); None outside a replica or before its object is built."""
+    try:
+        from ray import serve
+
+        obj: Any = serve.get_replica_context().servable_object
+    except Exception:  # not inside a Serve replica (a router built by a test)
+        return None
+    return obj if callable(getattr(obj, "on_route_decision", None)) else None
 
 
 def prompt_text(req: Any) -> str:
@@ -141,6 +145,13 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         self.index = PrefixIndex()
         self.inflight = InFlight()
         self.name = self._deployment_id.name if getattr(self, "_deployment_id", None) else ""
+        self.sink: DecisionSink | None = None
+
+    def _report(self, reason: str) -> None:
+        if self.sink is None:  # looked up until the gateway's object exists, then kept
+            self.sink = gateway_sink()
+        if self.sink is not None:
+            self.sink.on_route_decision(self.name, reason)
 
     def _load(self, r: RunningReplica, own: Counter[str]) -> int:
         n = self.replica_queue_len_cache.get(r.replica_id)
@@ -176,7 +187,7 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             best, reason = "", "new_prefix"
         if reason != "prefix":
             best = min(by_id, key=lambda r: (load[r], self.index.num_prefixes(r), r))
-        record_decision(self.name, reason)
+        self._report(reason)
         self.index.insert(keys, best)
         self._assign(pending_request, best)
         rest = sorted((r for r in by_id if r != best), key=lambda r: (load[r], r))

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dmtd_contract.records import ReplicaRequest
+from dmtd.serve.errors import InvalidRequest, TooLarge
+from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT, ReplicaRequest
+
+__all__ = ["GRPC_NAMES", "FieldNames", "InvalidRequest", "Limits", "TooLarge", "check_types", "from_proto",
+           "validate"]
 
 PROFILES = {0: "", 1: "quality", 2: "balanced", 3: "speed", 4: "exact", 5: "adaptive"}  # "": the variant's default
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -35,19 +40,21 @@ class Limits(BaseModel):
     max_messages: int = Field(default=256, ge=1, description="chat messages per request")
 
 
-class InvalidRequest(ValueError):
-    """A request field breaks a rule."""
+@dataclass(frozen=True, slots=True)
+class FieldNames:
+    """How one API names the request's fields: validation raises :class:`InvalidRequest` in the caller's own names
+    (the gRPC API's ``sampling.temperature``, ``chat.messages[0].content``; the OpenAI API's ``temperature``,
+    ``messages[0].content``: ``dmtd.serve.openai_models.openai_names``)."""
 
-    def __init__(self, field_name: str, rule: str) -> None:
-        super().__init__(f"{field_name}: {rule}")
-        self.field, self.rule = field_name, rule
+    sampling: str = "sampling."  # before a sampling field's name
+    cycle: str = "cycle."  # before a cycle field's name
+    messages: str = "chat.messages"
+    max_new_tokens: str = "max_new_tokens"
+    input: str = "input"  # the input as a whole, when none is given
+    prompt_token_ids: str = "prompt_token_ids"
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (type(self), (self.field, self.rule))
 
-
-class TooLarge(InvalidRequest):
-    """The request as a whole exceeds a size limit (HTTP 413; gRPC INVALID_ARGUMENT)."""
+GRPC_NAMES = FieldNames()
 
 
 _NUM = (int, float)
@@ -98,10 +105,10 @@ def _check_text(name: str, value: str) -> None:
         raise InvalidRequest(name, f"must be valid Unicode (lone surrogate at index {e.start})") from e
 
 
-def _check_input(req: ReplicaRequest, limits: Limits) -> None:
+def _check_input(req: ReplicaRequest, limits: Limits, n: FieldNames) -> None:
     chars = limits.max_prompt_chars
     if req.prompt is None and not req.messages and not req.prompt_token_ids:
-        raise InvalidRequest("input", "one of prompt or chat.messages is required")
+        raise InvalidRequest(n.input, f"one of prompt or {n.messages} is required")
     if req.prompt is not None:
         if len(req.prompt) > chars:
             raise InvalidRequest("prompt", f"at most {chars} characters, got {len(req.prompt)}")
@@ -110,29 +117,29 @@ def _check_input(req: ReplicaRequest, limits: Limits) -> None:
             raise InvalidRequest("prompt", "must not be empty")
     msgs = req.messages or []
     if len(msgs) > limits.max_messages:
-        raise InvalidRequest("chat.messages", f"at most {limits.max_messages} messages, got {len(msgs)}")
+        raise InvalidRequest(n.messages, f"at most {limits.max_messages} messages, got {len(msgs)}")
     total = 0
     for i, m in enumerate(msgs):
         if m.get("role") not in ("system", "user", "assistant"):
-            raise InvalidRequest(f"chat.messages[{i}].role", "must be system, user or assistant")
+            raise InvalidRequest(f"{n.messages}[{i}].role", "must be system, user or assistant")
         content = m.get("content")
         if not content or not isinstance(content, str):
-            raise InvalidRequest(f"chat.messages[{i}].content", "must be a non-empty string")
+            raise InvalidRequest(f"{n.messages}[{i}].content", "must be a non-empty string")
         total += len(content)
         if total > chars:
-            raise InvalidRequest(f"chat.messages[{i}].content", f"all contents together at most {chars} characters")
-        _check_text(f"chat.messages[{i}].content", content)
+            raise InvalidRequest(f"{n.messages}[{i}].content", f"all contents together at most {chars} characters")
+        _check_text(f"{n.messages}[{i}].content", content)
     ids = req.prompt_token_ids or []
     if len(ids) > chars:
-        raise InvalidRequest("prompt_token_ids", f"at most {chars} token ids, got {len(ids)}")
+        raise InvalidRequest(n.prompt_token_ids, f"at most {chars} token ids, got {len(ids)}")
 
 
-def _check_shaping(req: ReplicaRequest) -> None:
-    _check_range("sampling.presence_penalty", req.presence_penalty, -2.0, 2.0)
-    _check_range("sampling.frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    _check_range("sampling.repetition_penalty", req.repetition_penalty, 0.0, 10.0)
+def _check_shaping(req: ReplicaRequest, n: FieldNames) -> None:
+    _check_range(n.sampling + "presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _check_range(n.sampling + "frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _check_range(n.sampling + "repetition_penalty", req.repetition_penalty, 0.0, 10.0)
     if req.repetition_penalty == 0.0:
-        raise InvalidRequest("sampling.repetition_penalty", "must be > 0")
+        raise InvalidRequest(n.sampling + "repetition_penalty", "must be > 0")
     if len(req.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}")
     for token, bias in req.logit_bias:
@@ -145,28 +152,29 @@ def _check_shaping(req: ReplicaRequest) -> None:
         raise InvalidRequest("response_format", f"the grammar is at most {MAX_GRAMMAR_CHARS} characters")
 
 
-def validate(req: ReplicaRequest, limits: Limits | None = None) -> ReplicaRequest:
-    """Check every field; raise :class:`InvalidRequest` naming the first bad one."""
-    _check_input(req, limits or Limits())
+def validate(req: ReplicaRequest, limits: Limits | None = None, names: FieldNames = GRPC_NAMES) -> ReplicaRequest:
+    """Check every field; raise :class:`InvalidRequest` naming the first bad one, in ``names``."""
+    n = names
+    _check_input(req, limits or Limits(), n)
     if not 1 <= req.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-        raise InvalidRequest("max_new_tokens", f"must be in 1..{MAX_NEW_TOKENS_LIMIT}, got {req.max_new_tokens}")
-    _check_range("sampling.temperature", req.temperature, 0.0, 10.0)
-    _check_range("sampling.top_p", req.top_p, 0.0, 1.0)
+        raise InvalidRequest(n.max_new_tokens, f"must be in 1..{MAX_NEW_TOKENS_LIMIT}, got {req.max_new_tokens}")
+    _check_range(n.sampling + "temperature", req.temperature, 0.0, 10.0)
+    _check_range(n.sampling + "top_p", req.top_p, 0.0, 1.0)
     if req.top_p == 0.0:
         req.top_p = 1.0
     if req.top_k < 0:
-        raise InvalidRequest("sampling.top_k", f"must be >= 0, got {req.top_k}")
+        raise InvalidRequest(n.sampling + "top_k", f"must be >= 0, got {req.top_k}")
     if req.tau_min < 0 or req.tau_max < 0:
-        raise InvalidRequest("cycle.tau_min" if req.tau_min < 0 else "cycle.tau_max", "must be >= 0")
+        raise InvalidRequest(n.cycle + ("tau_min" if req.tau_min < 0 else "tau_max"), "must be >= 0")
     if req.tau_min and req.tau_max and req.tau_min > req.tau_max:
-        raise InvalidRequest("cycle.tau_min", f"must be <= cycle.tau_max ({req.tau_max}), got {req.tau_min}")
+        raise InvalidRequest(n.cycle + "tau_min", f"must be <= {n.cycle}tau_max ({req.tau_max}), got {req.tau_min}")
     if req.min_confidence is not None:
-        _check_range("cycle.min_confidence", req.min_confidence, 0.0, 1.0)
+        _check_range(n.cycle + "min_confidence", req.min_confidence, 0.0, 1.0)
     if req.profile not in PROFILES.values():
-        raise InvalidRequest("cycle.profile", f"must be one of {', '.join(p for p in PROFILES.values() if p)} "
+        raise InvalidRequest(n.cycle + "profile", f"must be one of {', '.join(p for p in PROFILES.values() if p)} "
                                               f"(or empty: the variant's default), got {req.profile!r}")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
-        raise InvalidRequest("sampling.seed", f"must be in 0..{MAX_SEED}, got {req.seed}")
+        raise InvalidRequest(n.sampling + "seed", f"must be in 0..{MAX_SEED}, got {req.seed}")
     if len(req.stop) > MAX_STOP:
         raise InvalidRequest("stop", f"at most {MAX_STOP} stop strings, got {len(req.stop)}")
     for i, stop in enumerate(req.stop):
@@ -177,7 +185,7 @@ def validate(req: ReplicaRequest, limits: Limits | None = None) -> ReplicaReques
         raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP} ids, got {len(req.stop_token_ids)}")
     if any(t < 0 for t in req.stop_token_ids):
         raise InvalidRequest("stop_token_ids", "must be >= 0")
-    _check_shaping(req)
+    _check_shaping(req, n)
     if len(req.request_id) > 128:
         raise InvalidRequest("request_id", "at most 128 characters")
     req.request_id = req.request_id or uuid.uuid4().hex
@@ -192,7 +200,7 @@ def from_proto(msg: Any, arrival_s: float, limits: Limits | None = None) -> Repl
         request_id=msg.request_id,
         prompt=msg.prompt if which == "prompt" else None,
         messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages] if which == "chat" else None,
-        max_new_tokens=msg.max_new_tokens or 128,
+        max_new_tokens=msg.max_new_tokens or MAX_NEW_TOKENS_DEFAULT,
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
         seed=s.seed if s.HasField("seed") else None,
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,

@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any
 
-from dmtd.serve.requests import InvalidRequest
+from dmtd.serve.errors import InvalidRequest
 
 MAX_SCHEMA_CHARS = 1 << 15  # a schema (or all tools' parameters) serialised
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -21,8 +20,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dmtd.serve.bench_stages import collect_stages, cpu_per_token, cpu_snapshot
-from dmtd.serve.vllm_anchor import AGAINST
+from dmtd.bench.results import write_json
+from dmtd.bench.serve_stages import collect_stages, cpu_per_token, cpu_snapshot
+from dmtd.bench.vllm_anchor import AGAINST, CONFIGS
 from dmtd_contract.stats import percentile
 
 # τ bounds (0: the controller's) and the profile a policy's requests name ("": the variant's default, the exact
@@ -64,10 +64,16 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                         "after another, the same workload, then each row's tok/s against the last precision's")
     p.add_argument("--against", default=None, choices=AGAINST,
                    help="the same workload on vLLM's CPU build (`make bench-deps`) and on our OpenAI endpoint, one "
-                        "client for both (vllm bench serve): tok/s, TTFT, ITL and the ratios (dmtd.serve.vllm_anchor)")
+                        "client for both (vllm bench serve): vLLM as users run it (--vllm-configs); chat, "
+                        "shared-prefix and two-turn workloads; ours against the best configuration "
+                        "(dmtd.bench.vllm_anchor)")
     p.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="--against vllm: the precision vLLM serves in; auto: bfloat16 on a CPU with native bf16 "
                         "(avx512_bf16 or amx_bf16), float32 elsewhere, where vLLM's bf16 is emulated and slower")
+    p.add_argument("--vllm-configs", default=",".join(CONFIGS), metavar="LIST",
+                   help="--against vllm: how vLLM runs, one after another, ours compared with the best: default (its "
+                        "defaults: all cores but one to its engine) and bind (every core bound to its engine, "
+                        "VLLM_CPU_OMP_THREADS_BIND)")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
@@ -189,7 +195,7 @@ def open_loop(target: str, policy: str, rate: float, count: int, max_new: int, s
 def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One closed-loop run of ``--compare-engine``'s in-process engine: the stack row's workload, summarised the
     same way, with its CPU and step time per token."""
-    from dmtd.serve.engine_compare import engine_closed_loop
+    from dmtd.bench.engine_compare import engine_closed_loop
 
     c0 = cpu_snapshot()["client"]
     eres, ewall = engine_closed_loop(engine, cfg, POLICIES[policy], n, args.requests_per_worker, args.max_new_tokens,
@@ -202,12 +208,14 @@ def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argp
 
 
 def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
-    if getattr(args, "vllm_dtype", "auto") != "auto" and getattr(args, "against", None) is None:
-        print("error: --vllm-dtype sets the precision of --against vllm's server: add --against vllm",
-              file=sys.stderr)
-        raise SystemExit(2)
+    if getattr(args, "against", None) is None:
+        for opt, default in (("vllm_dtype", "auto"), ("vllm_configs", ",".join(CONFIGS))):
+            if getattr(args, opt, default) != default:
+                print(f"error: --{opt.replace('_', '-')} sets how --against vllm runs vLLM: add --against vllm",
+                      file=sys.stderr)
+                raise SystemExit(2)
     if getattr(args, "against", None) is not None:
-        from dmtd.serve.vllm_anchor import run_against
+        from dmtd.bench.vllm_anchor import run_against
 
         return run_against(args, default_variant)
     dtypes = [d for d in (getattr(args, "dtypes", None) or "").split(",") if d]
@@ -235,10 +243,7 @@ def compare_dtypes(args: argparse.Namespace, default_variant: str, dtypes: list[
               + " " + " ".join(f"{v / vals[-1]:>10.2f}" for v in vals[:-1]) + f" {ttft:>12}")
     result = {"dtypes": dtypes, "runs": runs}
     if args.json_path:
-        path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
+        write_json(args.json_path, result)
     return result
 
 
@@ -263,7 +268,7 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
     rows = []
     engine: Any = None
     if args.compare_engine:
-        from dmtd.serve.engine_compare import build_local_engine, engine_closed_loop
+        from dmtd.bench.engine_compare import build_local_engine, engine_closed_loop
 
         engine, engine_cfg = build_local_engine(args.variant or default_variant, args.model, args.decoding_layers,
                                                 max(concurrency), args.itl_slo_ms)
@@ -360,7 +365,7 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
                   f"{c['client']:>7.2f} {c['ray']:>6.2f} {sum(c.values()):>7.2f} {eng:>7.2f}")
     staged = [r for r in rows if r.get("stages", {}).get("requests")]
     if staged:
-        from dmtd.serve.bench_stages import STAGES
+        from dmtd.bench.serve_stages import STAGES
 
         print("\nms per token by stage (from the spans):\n" + f"{'N':>4} {'policy':>9} "
               + " ".join(f"{s:>15}" for s in STAGES))
@@ -378,13 +383,11 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
                   f"{s['engine_step'] - s['engine_step_cpu']:>11.2f} {e['step_ms_per_token']:>11.2f} "
                   f"{e['step_cpu_ms_per_token']:>10.2f}")
     if args.json_path:
-        path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
+        path = write_json(args.json_path, result)
         plot(result, path.with_suffix(".png"))
-        written = [path, path.with_suffix(".png")]
+        written = [path.with_suffix(".png")]
         if staged:
-            from dmtd.serve.bench_stages import plot_stages
+            from dmtd.bench.serve_stages import plot_stages
 
             written.append(path.with_name(path.stem + "_stages.png"))
             plot_stages(staged, written[-1], f"dmtd bench serve — variant {result['variant']}: stages per token")

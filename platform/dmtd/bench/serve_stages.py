@@ -65,17 +65,15 @@ def stage_table(gateway: dict[str, dict[str, Any]], replica: dict[str, dict[str,
 def collect_stages(app: str, tag: str, expected: int | None = None, wait_s: float = 5.0) -> dict[str, Any]:
     """The breakdown of the requests whose ids start with ``tag-``, read from the app's in-memory spans
     (the bench process must be the Ray driver of the stack)."""
-    from ray import serve
+    from dmtd.serve.app import finished_spans
 
-    gw_handle = serve.get_deployment_handle("Gateway", app_name=app)
-    rep_handle = serve.get_deployment_handle("DMTDReplica", app_name=app)
     deadline = time.monotonic() + wait_s
     while True:  # the gateway ends a span just after the client has its last block
-        gateway = _by_request(gw_handle.finished_spans.remote().result(), "dmtd.gateway.generate", tag)
+        gateway = _by_request(finished_spans(app, "Gateway"), "dmtd.gateway.generate", tag)
         if expected is None or len(gateway) >= expected or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    replica = _by_request(rep_handle.finished_spans.remote().result(), "dmtd.replica.generate", tag)
+    replica = _by_request(finished_spans(app, "DMTDReplica"), "dmtd.replica.generate", tag)
     return stage_table(gateway, replica)
 
 
