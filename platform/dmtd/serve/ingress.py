@@ -24,7 +24,7 @@ from dmtd.serve.openai_api import error_body, install_openapi, model_profile, re
 from dmtd.serve.openai_models import expand, openai_field, openai_text, parse_body
 from dmtd.serve.openai_route import OpenAIResponder
 from dmtd.serve.push import BlockSink
-from dmtd.serve.readiness import Readiness, warm_http
+from dmtd.serve.readiness import DRAIN_GRACE_S, Readiness, warm_http
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
@@ -162,6 +162,28 @@ class Gateway:
         """Return once ready (dmtd.serve.readiness): its state, with each warm-up's seconds."""
         return await self.readiness.wait(timeout_s)
 
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown awaits this (``dmtd serve`` stopping on SIGTERM, a deployment deleted or
+        replaced): drain, then the servers are gone."""
+        await self.drain()
+
+    async def drain(self, grace_s: float = DRAIN_GRACE_S) -> dict[str, Any]:
+        """Stop taking work, let the work in flight finish: probes and gRPC health say not ready at once, new gRPC
+        calls are refused (UNAVAILABLE) and new HTTP requests answered 503, the streams in flight (both protocols)
+        finish within ``grace_s`` (then the rest are cut); returns the streams found and those cut."""
+        t = time.monotonic()
+        found = self.core.inflight
+        await self.readiness.drain()
+        stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s))  # refuses new calls now
+        while self.core.inflight > 0 and time.monotonic() - t < grace_s:
+            await asyncio.sleep(0.05)
+        cut = self.core.inflight
+        if self.http is not None:
+            self.http[0].should_exit = True
+        await stopping
+        log.info("drained in %.1f s: %d stream(s) in flight, %d cut", time.monotonic() - t, found, cut)
+        return {"in_flight": found, "cut": cut, "seconds": time.monotonic() - t}
+
     async def info(self) -> dict[str, Any]:
         sink = self.sink
         return {"grpc_port": self.grpc_port, "http_port": self.http_port, "pid": os.getpid(),
@@ -241,6 +263,8 @@ class Gateway:
     async def _openai(self, request: Request, chat: bool) -> Any:
         if (refused := self._refused(request)) is not None:
             return refused
+        if self.readiness.draining:
+            return self._not_ready()
         try:
             raw = await read_body(request, self.core.limits.max_body_bytes)
             req, body = parse_body(raw, chat, time.time(), self.core.limits)

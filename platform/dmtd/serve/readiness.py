@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,8 @@ from grpc_health.v1 import health, health_pb2
 
 log = logging.getLogger("dmtd.gateway")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+DRAIN_GRACE_S = float(os.environ.get("DMTD_DRAIN_GRACE_S", "30"))
+"""How long a draining gateway lets its streams in flight finish (Serve's graceful shutdown waits a little longer)."""
 
 
 class Readiness:
