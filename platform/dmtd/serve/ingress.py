@@ -154,8 +154,7 @@ class Gateway:
         """:meth:`warm`, then one request through the OpenAI route (unless every call needs a key)."""
         out = await self.warm()
         if self._http_base is not None and not self.keys.enabled and self.core.router.routes:
-            name = next(iter(self.core.router.routes))
-            out["http"] = await asyncio.to_thread(warm_http, self._http_base, name)
+            out["http"] = await asyncio.to_thread(warm_http, self._http_base, "default")  # the default variant
         return out
 
     async def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
