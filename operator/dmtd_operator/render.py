@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -141,12 +142,67 @@ def serve_config(t: Target) -> Body:
     }
 
 
+def gcs_redis_address(t: Target) -> str:
+    """host:port of the Redis the GCS writes to: the spec's, else the registry's (``redis://[user:pw@]host:port/db``)."""
+    ft = t.spec.serving.gcs_fault_tolerance
+    if ft.redis_address:
+        return ft.redis_address
+    parsed = urlsplit(t.registry_url)
+    if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+        raise ValueError(f"spec.serving.gcsFaultTolerance.redisAddress: empty, and the registry URL "
+                         f"{t.registry_url!r} names no Redis host to default to; set it (host:port)")
+    return f"{parsed.hostname}:{parsed.port or 6379}"
+
+
+def gcs_fault_tolerance(t: Target) -> Body | None:
+    """KubeRay's ``gcsFaultToleranceOptions`` of the RayCluster, or None when turned off."""
+    ft = t.spec.serving.gcs_fault_tolerance
+    if not ft.enabled:
+        return None
+    options: Body = {"redisAddress": gcs_redis_address(t)}
+    if ft.redis_password_secret is not None:
+        ref = ft.redis_password_secret
+        options["redisPassword"] = {"valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    elif not ft.redis_address and urlsplit(t.registry_url).password:  # the registry's, as its URL carries it
+        options["redisPassword"] = {"value": urlsplit(t.registry_url).password}
+    return options
+
+
+def ready_probe_script(gateway_port: int, tls: bool, raylet_port: int = r.RAYLET_HEALTH_PORT,
+                       gcs_port: int = r.DASHBOARD_PORT) -> str:
+    """The head's readiness check (python3, in the serving image): ready when the gateway's ``/healthz`` says 200
+    (warm: dmtd.serve.readiness); not ready while it says 503 (warming, draining); while nothing listens on its port
+    yet (before KubeRay submitted the Serve config, which it does only once the head is Ready) the Ray node's own
+    health decides, as KubeRay's default probe does: a gateway probe alone would never let the head become Ready."""
+    scheme = "https" if tls else "http"
+    return (
+        "import ssl,sys,urllib.request as u\n"
+        "c=ssl._create_unverified_context()\n"
+        "def get(url):\n"
+        " try:\n"
+        "  return u.urlopen(url,timeout=2,context=c).status\n"
+        " except u.HTTPError as e:\n"
+        "  return e.code\n"
+        " except OSError:\n"
+        "  return None\n"
+        f"g=get('{scheme}://127.0.0.1:{gateway_port}/healthz')\n"
+        f"ok=g==200 or g is None and get('http://127.0.0.1:{raylet_port}/api/local_raylet_healthz')==200 "
+        f"and get('http://127.0.0.1:{gcs_port}/api/gcs_healthz')==200\n"
+        "sys.exit(0 if ok else 1)\n"
+    )
+
+
 def _env(t: Target, worker: bool) -> list[Body]:
     env: list[Body] = [
         {"name": "DMTD_DEPLOYMENT", "value": t.name},
         {"name": "DMTD_REGISTRY_URL", "value": t.registry_url},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
+    ft = t.spec.serving.gcs_fault_tolerance
+    # bounded Serve control calls (KubeRay sets 5 s on a RayService too; set here so it holds whatever sets it)
+    env.append({"name": "RAY_SERVE_KV_TIMEOUT_S", "value": f"{ft.serve_kv_timeout_s:g}"})
+    if worker and ft.enabled:  # workers outwait the head's restart (KubeRay's own default with GCS FT: 600)
+        env.append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": str(ft.worker_reconnect_timeout_s)})
     if worker:  # a replica's torch threads: its pod's CPUs, not every core of the node (os.cpu_count())
         env.append({"name": "DMTD_TORCH_THREADS", "value": str(worker_cpus(t.spec))})
     ref = t.spec.serving.api_keys_secret
@@ -194,6 +250,18 @@ def ray_service(t: Target) -> Body:
         if s.resources.gpu_type:
             worker_pod["nodeSelector"] = {"nvidia.com/gpu.product": s.resources.gpu_type}
     labels = r.child_labels(t.name, "serving")
+    head = _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)
+    head["readinessProbe"] = {
+        "exec": {"command": ["python3", "-c", ready_probe_script(r.GATEWAY_HTTP_PORT, bool(s.serving.tls_secret))]},
+        "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1, "successThreshold": 1,
+    }
+    cluster: Body = {
+        "rayVersion": s.serving.ray_version,
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60},
+    }
+    if (ft := gcs_fault_tolerance(t)) is not None:
+        cluster["gcsFaultToleranceOptions"] = ft
     return {
         "apiVersion": r.RAY_API_VERSION,
         "kind": r.RAY_SERVICE_KIND,
@@ -201,9 +269,7 @@ def ray_service(t: Target) -> Body:
         "spec": {
             "serveConfigV2": yaml.safe_dump(serve_config(t), sort_keys=False),
             "rayClusterConfig": {
-                "rayVersion": s.serving.ray_version,
-                "enableInTreeAutoscaling": True,
-                "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 60},
+                **cluster,
                 "headGroupSpec": {
                     # KubeRay takes num-cpus from the container's CPU *limit* only; the pods set requests, so
                     # without these Ray would offer every core of the node. The head offers none: it runs the
@@ -216,7 +282,7 @@ def ray_service(t: Target) -> Body:
                     },
                     "template": {
                         "metadata": {"labels": labels},
-                        "spec": _pod(t, _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)),
+                        "spec": _pod(t, head),
                     },
                 },
                 "workerGroupSpecs": [

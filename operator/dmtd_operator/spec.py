@@ -227,6 +227,32 @@ class SecretKeyRef(_Model):
                      description="Key in the Secret.")
 
 
+class GcsFaultTolerance(_Model):
+    """The Ray head's GCS state in an external Redis (KubeRay ``gcsFaultToleranceOptions``): when the head dies,
+    replicas and the worker-side Serve proxies keep running, and the restarted head resumes from Redis instead of
+    a new, empty cluster (docs/operations.md, "What survives what")."""
+
+    enabled: bool = Field(default=True, description="Render gcsFaultToleranceOptions on the RayService.")
+    redis_address: str = Field(
+        default="", max_length=253, pattern=r"^([^\s:/]+:[0-9]{1,5})?$",
+        description="host:port of the Redis the GCS writes to; empty = the variant registry's Redis (its keys "
+        "live under the RayCluster's own namespace prefix there).",
+    )
+    redis_password_secret: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding that Redis's password, if it has one."
+    )
+    serve_kv_timeout_s: float = Field(
+        default=5.0, gt=0, le=600,
+        description="RAY_SERVE_KV_TIMEOUT_S: how long a Serve control call (deploy, scale) waits on the GCS's KV "
+        "store before it fails; without a bound it blocks for as long as the head is down.",
+    )
+    worker_reconnect_timeout_s: int = Field(
+        default=600, ge=30, le=86400,
+        description="RAY_gcs_rpc_server_reconnect_timeout_s of the worker pods: how long they wait for a restarted "
+        "head before they give up (must exceed the head's restart time).",
+    )
+
+
 class Serving(_Model):
     """How replicas run: the serving image, where the variant registry lives, authentication and TLS."""
 
@@ -249,6 +275,9 @@ class Serving(_Model):
     tls_secret: str = Field(
         default="", max_length=253, pattern=r"^([a-z0-9]([-.a-z0-9]*[a-z0-9])?)?$",
         description="kubernetes.io/tls Secret (tls.crt, tls.key): the gateway's gRPC and Serve's HTTP serve TLS.",
+    )
+    gcs_fault_tolerance: GcsFaultTolerance = Field(
+        default_factory=GcsFaultTolerance, description="The Ray head's state in Redis, so that it survives the head.",
     )
     grpc_servicer_functions: list[str] = Field(
         default_factory=lambda: list(DEFAULT_GRPC_SERVICERS),

@@ -88,8 +88,8 @@ ENGINE_BENCHES = {
              "requests, a burst, one long request beside a full batch"),
     "passes": ("passes_bench", "where a verified cycle's time goes: the engine's passes by kind at each τ, a cycle "
                "priced in plain steps against the tokens it emits"),
-    "ready": ("ready_bench", "dmtd serve as a new user starts it: the first request's TTFT after it says it serves, "
-              "against the next ones'"),
+    "ready": ("ready_bench", "dmtd serve as a new user starts it: the first request's TTFT sent when /v1/models first "
+              "answers 200, against the next ones'"),
 }
 
 

@@ -218,3 +218,56 @@ def test_engine_values_reach_the_serve_apps_arguments(tmp_path: Path) -> None:
         "max_num_seqs": 16, "max_model_len": 4096, "drafts": "fixed", "phrase_drafts": False}
     bad = {**cr, "spec": {**cr["spec"], "engine": {"maxNumSeqs": 0}}}
     assert any(e.startswith("spec.engine.maxNumSeqs") for e in cr_errors(bad))
+
+
+def test_gcs_fault_tolerance_reaches_the_rayservice_from_the_charts_redis_or_its_own(tmp_path: Path) -> None:
+    """With the chart's defaults the head's GCS writes to the chart's Redis (the registry's, under KubeRay's own key
+    prefix); a spec may name another Redis and its password Secret, or turn it off; Serve's KV calls are bounded and
+    workers outwait a restarting head either way it is on."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in template(tmp_path, "default")}
+    cr = docs[("DMTDDeployment", "smollm2")]
+    env = {e["name"]: e.get("value") for e in
+           docs[("Deployment", "rel-dmtd-operator")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    spec = DMTDDeploymentSpec.model_validate(cr["spec"])
+    rs = render.ray_service(render.Target("smollm2", "dmtd", spec, 1, 1, 4, env["DMTD_REGISTRY_URL"]))
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["gcsFaultToleranceOptions"] == {"redisAddress": "rel-dmtd-redis.dmtd.svc:6379"}
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    head_env = {e["name"]: e.get("value") for e in head["env"]}
+    worker_env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert head_env["RAY_SERVE_KV_TIMEOUT_S"] == worker_env["RAY_SERVE_KV_TIMEOUT_S"] == "5"
+    assert worker_env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
+    assert "RAY_gcs_rpc_server_reconnect_timeout_s" not in head_env  # the head keeps Ray's 60 s: it restarts first
+    probe = head["readinessProbe"]
+    assert probe["exec"]["command"][:2] == ["python3", "-c"] and "/healthz" in probe["exec"]["command"][2]
+
+    own = {**cr["spec"], "serving": {**cr["spec"]["serving"], "gcsFaultTolerance": {
+        "redisAddress": "gcs-redis.infra.svc:6380", "redisPasswordSecret": {"name": "gcs-redis", "key": "password"},
+        "serveKvTimeoutS": 2.5}}}
+    assert cr_errors({**cr, "spec": own}) == []
+    rs = render.ray_service(render.Target("smollm2", "dmtd", DMTDDeploymentSpec.model_validate(own), 1, 1, 4,
+                                          env["DMTD_REGISTRY_URL"]))
+    assert rs["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "gcs-redis.infra.svc:6380",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "gcs-redis", "key": "password"}}}}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in head["env"]}["RAY_SERVE_KV_TIMEOUT_S"] == "2.5"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "head"},
+           "spec": rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]}
+    assert validate_builtin(pod) == "1.30"  # the probe included
+
+    off = {**cr["spec"], "serving": {**cr["spec"]["serving"], "gcsFaultTolerance": {"enabled": False}}}
+    rs = render.ray_service(render.Target("smollm2", "dmtd", DMTDDeploymentSpec.model_validate(off), 1, 1, 4,
+                                          env["DMTD_REGISTRY_URL"]))
+    assert "gcsFaultToleranceOptions" not in rs["spec"]["rayClusterConfig"]
+    worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert "RAY_gcs_rpc_server_reconnect_timeout_s" not in {e["name"] for e in worker["env"]}
+
+    bad = {**cr, "spec": {**cr["spec"], "serving": {**cr["spec"]["serving"],
+                                                    "gcsFaultTolerance": {"redisAddress": "redis://x:6379/0"}}}}
+    assert any(e.startswith("spec.serving.gcsFaultTolerance.redisAddress") for e in cr_errors(bad))
+    with pytest.raises(ValueError, match="gcsFaultTolerance.redisAddress"):  # no Redis host to default to
+        render.ray_service(render.Target("smollm2", "dmtd", spec, 1, 1, 4, "configmap://registry"))
+    password = render.gcs_fault_tolerance(render.Target("smollm2", "dmtd", spec, 1, 1, 4, "redis://:s3cret@r:7000/1"))
+    assert password == {"redisAddress": "r:7000", "redisPassword": {"value": "s3cret"}}

@@ -115,6 +115,7 @@ RAY_CLUSTER_SPEC = {
     "autoscalerOptions",
     "headGroupSpec",
     "workerGroupSpecs",
+    "gcsFaultToleranceOptions",
 }
 WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"}
 

@@ -85,6 +85,7 @@ def stack(tmp_path_factory):
         "omp_wait_policy": "PASSIVE",  # the replica shares 2 cores with the test process, Ray and the gateway
     })
     serve.run(app, name="dmtd", route_prefix="/")
+    serve.get_deployment_handle("Gateway", app_name="dmtd").wait_ready.remote(600).result()  # its warm-up done
     yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", "dmtd", registry_url,
                 f"http://127.0.0.1:{proxy_port}")
     serve.shutdown()
@@ -127,6 +128,7 @@ def secure_stack(stack, tmp_path_factory):
     app = gateway.bind({VARIANT: replica}, [{"name": VARIANT, "status": "active", "traffic_weight": 1.0}], VARIANT,
                        "127.0.0.1", port, 10, None, None, None, None, str(keys), str(cert), str(key), "off")
     serve.run(app, name="dmtd-secure", route_prefix="/secure")
+    serve.get_deployment_handle("Gateway", app_name="dmtd-secure").wait_ready.remote(600).result()
     yield SecureStack(f"localhost:{port}", stack.proxy_url + "/secure", cert.read_bytes(),
                       serve.get_deployment_handle("Gateway", app_name="dmtd-secure"))
     serve.delete("dmtd-secure")

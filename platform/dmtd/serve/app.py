@@ -11,6 +11,7 @@ from ray import serve
 
 from dmtd.serve.engine_builder import EngineBuilder
 from dmtd.serve.ingress import GatewayIngress
+from dmtd.serve.readiness import DRAIN_GRACE_S
 from dmtd.serve.requests import Limits
 from dmtd.serve.settings import (
     ServeConfig,
@@ -56,7 +57,8 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v.name}"
         dep: Any = serve.deployment(DMTDReplica, name=name, num_replicas=cfg.replicas_of(v),
                                     max_ongoing_requests=engine.max_num_seqs + engine.max_queued + 8,
-                                    health_check_period_s=5, ray_actor_options=dict(replica_actor), **router)
+                                    health_check_period_s=5, ray_actor_options=dict(replica_actor),
+                                    graceful_shutdown_timeout_s=DRAIN_GRACE_S + 5, **router)
         handles[v.name] = dep.bind(builder, engine.max_queued, None, cfg.registry_url, v.name, telemetry, limits,
                                    cfg.stream_interval_ms)
         deployments[v.name] = name
@@ -67,8 +69,9 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
         actor["runtime_env"] = {"env_vars": dict(gateway_env)}
     if cfg.gateway_resources:  # on Kubernetes: pinned to the head pod, which the gateway Service targets
         actor["resources"] = dict(cfg.gateway_resources)
-    gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1,
-                                    max_ongoing_requests=1000, ray_actor_options=actor)
+    # a stopping replica or gateway first lets its streams in flight finish (Gateway.drain)
+    gateway: Any = serve.deployment(GatewayIngress, name="Gateway", num_replicas=1, max_ongoing_requests=1000,
+                                    ray_actor_options=actor, graceful_shutdown_timeout_s=DRAIN_GRACE_S + 5)
     return gateway.bind(handles, infos, cfg.default, cfg.grpc_host, cfg.grpc_port, cfg.max_inflight, cfg.registry_url,
                         telemetry, deployments, limits, cfg.api_keys_file, cfg.tls_cert_file, cfg.tls_key_file,
                         cfg.block_push, cfg.http_host, cfg.http_port)

@@ -303,18 +303,21 @@ def _service_handler(servicer: GenerateServicer) -> grpc.GenericRpcHandler:
 
 
 async def start_grpc_server(core: GatewayCore, host: str, port: int, keys: ApiKeys | None = None,
-                            credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+                            credentials: grpc.ServerCredentials | None = None,
+                            health_servicer: health.aio.HealthServicer | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve GenerateService + grpc.health.v1 + reflection on host:port (0 = any free port); with ``keys``,
-    every call but the health checks needs one; with ``credentials``, TLS."""
+    every call but the health checks needs one; with ``credentials``, TLS. The health service is
+    ``health_servicer`` as its owner sets it (dmtd.serve.readiness), else one that says SERVING."""
     # gRPC's own limit sits above ours, so that most oversized requests get our INVALID_ARGUMENT
     max_bytes = max(4 << 20, 4 * core.limits.max_body_bytes)
     interceptors = [AuthInterceptor(keys)] if keys is not None and keys.enabled else []
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", max_bytes)])
     server.add_generic_rpc_handlers((_service_handler(GenerateServicer(core)),))
-    health_servicer = health.aio.HealthServicer()
+    if health_servicer is None:
+        health_servicer = health.aio.HealthServicer()
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

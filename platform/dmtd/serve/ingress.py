@@ -19,11 +19,12 @@ from ray import serve
 from dmtd.serve import prefix_router
 from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
-from dmtd.serve.gateway import GatewayCore, GatewayError, start_grpc_server
+from dmtd.serve.gateway import SERVICE_NAME, GatewayCore, GatewayError, start_grpc_server
 from dmtd.serve.openai_api import error_body, install_openapi, model_profile, read_body
 from dmtd.serve.openai_models import expand, openai_field, openai_text, parse_body
 from dmtd.serve.openai_route import OpenAIResponder
 from dmtd.serve.push import BlockSink
+from dmtd.serve.readiness import DRAIN_GRACE_S, Readiness, warm_http
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
@@ -64,8 +65,10 @@ class Gateway:
         self.core = GatewayCore(Router(routes, default or (variants[0]["name"] if variants else None)), max_inflight,
                                 self.telemetry, Limits(**(limits or {})), self.sink)
         self.keys = ApiKeys.load(api_keys_file)
+        self.readiness = await Readiness((SERVICE_NAME, "")).start()  # NOT_SERVING until warm
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
-                                                              server_credentials(tls_cert_file, tls_key_file))
+                                                              server_credentials(tls_cert_file, tls_key_file),
+                                                              self.readiness.health)
         self.replica_deployments = replica_deployments or {}
         self.variant_of = {dep: v for v, dep in self.replica_deployments.items()}
         for v in self.variant_of.values():  # a zero series of each reason from the start
@@ -85,6 +88,10 @@ class Gateway:
             server, task, self.http_port = await start_http_server(http_host or grpc_host, http_port,
                                                                     tls_cert_file, tls_key_file)
             self.http = (server, task)
+        self._http_base = (None if self.http_port is None else
+                           f"{'https' if tls_cert_file else 'http'}://{_loopback(http_host or grpc_host)}:"
+                           f"{self.http_port}")
+        self._warming = asyncio.get_running_loop().create_task(self.readiness.become_ready(self._warm_all))
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
         """Follow the registry: status, canary weight, τ range and default of every served variant."""
@@ -141,6 +148,39 @@ class Gateway:
             out[name] = time.perf_counter() - t
         return out
 
+    async def _warm_all(self) -> dict[str, float]:
+        """:meth:`warm`, then one request through the OpenAI route (unless every call needs a key)."""
+        out = await self.warm()
+        if self._http_base is not None and not self.keys.enabled and self.core.router.routes:
+            out["http"] = await asyncio.to_thread(warm_http, self._http_base, "default")  # the default variant
+        return out
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Return once ready (dmtd.serve.readiness): its state, with each warm-up's seconds."""
+        return await self.readiness.wait(timeout_s)
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown awaits this (``dmtd serve`` stopping on SIGTERM, a deployment deleted or
+        replaced): drain, then the servers are gone."""
+        await self.drain()
+
+    async def drain(self, grace_s: float = DRAIN_GRACE_S) -> dict[str, Any]:
+        """Stop taking work, let the work in flight finish: probes and gRPC health say not ready at once, new gRPC
+        calls are refused (UNAVAILABLE) and new HTTP requests answered 503, the streams in flight (both protocols)
+        finish within ``grace_s`` (then the rest are cut); returns the streams found and those cut."""
+        t = time.monotonic()
+        found = self.core.inflight
+        await self.readiness.drain()
+        stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s))  # refuses new calls now
+        while self.core.inflight > 0 and time.monotonic() - t < grace_s:
+            await asyncio.sleep(0.05)
+        cut = self.core.inflight
+        if self.http is not None:
+            self.http[0].should_exit = True
+        await stopping
+        log.info("drained in %.1f s: %d stream(s) in flight, %d cut", time.monotonic() - t, found, cut)
+        return {"in_flight": found, "cut": cut, "seconds": time.monotonic() - t}
+
     async def info(self) -> dict[str, Any]:
         sink = self.sink
         return {"grpc_port": self.grpc_port, "http_port": self.http_port, "pid": os.getpid(),
@@ -190,15 +230,29 @@ class Gateway:
     async def dashboard_stats(self, request: Request) -> Any:
         return self._refused(request) or self.telemetry.stats()
 
+    def _not_ready(self) -> JSONResponse | None:
+        """503 with Retry-After until the gateway is warm (or while it drains): what probes and clients wait on."""
+        if self.readiness.ready:
+            return None
+        why = "draining" if self.readiness.draining else "warming up: no request has reached a warm replica yet"
+        return JSONResponse(error_body(f"not ready ({why})", "unavailable", code="not_ready"), 503,
+                            headers={"Retry-After": "1"})
+
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Any:
+        if (refused := self._refused(request) or self._not_ready()) is not None:
+            return refused
         data = [{"id": i["name"], "object": "model", "created": 0, "owned_by": "dmtd", "dmtd": model_profile(i)}
                 for i in self.core.router.infos() if i.get("status", "active") == "active"]
-        return self._refused(request) or {"object": "list", "data": data}
+        return {"object": "list", "data": data}
 
     @http_app.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(self) -> Any:
+        """200 once warm (the chart's readiness probe), 503 before and while draining."""
+        if not self.readiness.ready:
+            status = "draining" if self.readiness.draining else "warming"
+            return JSONResponse({"status": status, **self.readiness.state()}, 503, headers={"Retry-After": "1"})
+        return {"status": "ok", "ready_after_s": self.readiness.ready_after_s}
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
@@ -211,6 +265,8 @@ class Gateway:
     async def _openai(self, request: Request, chat: bool) -> Any:
         if (refused := self._refused(request)) is not None:
             return refused
+        if self.readiness.draining:
+            return self._not_ready()
         try:
             raw = await read_body(request, self.core.limits.max_body_bytes)
             req, body = parse_body(raw, chat, time.time(), self.core.limits)
@@ -269,6 +325,11 @@ async def start_http_server(host: str, port: int, cert: str | None = None,
     bound = sock.getsockname()[1]
     log.info("HTTP gateway listening on %s:%d (%s)", host, bound, "TLS" if cert else "plaintext")
     return server, task, bound
+
+
+def _loopback(host: str) -> str:
+    """Where this process reaches its own server bound at ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "localhost") else ("[::1]" if host == "::" else host)
 
 
 def _sink_host(setting: str, grpc_host: str) -> str:

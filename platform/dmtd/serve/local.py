@@ -270,34 +270,24 @@ def start_stack(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
     start_with_retry(start, int(getattr(args, "start_attempts", 2)), cleanup, serve_not_up,
                      lambda line: print(line, file=sys.stderr, flush=True))
-    from ray import serve as ray_serve
-
-    ray_serve.get_deployment_handle("Gateway", app_name="dmtd").warm.remote().result()  # ready means warm
+    wait_warm(float(getattr(args, "ready_timeout_s", 60.0)))
     scheme = "https" if cert else "http"
-    warm_http(f"{scheme}://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.http_port}", name,
-              bool(getattr(args, "api_keys_file", None)))
     return {"variant": name, "grpc": f"{args.host}:{args.grpc_port}", "http": f"{scheme}://{args.host}:{args.http_port}",
             "registry": url, "metrics": metrics_urls(args.replicas)}
 
 
-def warm_http(base: str, model: str, keyed: bool) -> None:
-    """One short streamed chat request through the OpenAI endpoint (its route's first call), unless it needs a key;
-    best effort: a failure here is the first client's to see, not a reason not to start."""
-    import json
-    import ssl
-    import urllib.request
+def wait_warm(ready_timeout_s: float) -> dict[str, Any]:
+    """Wait until the gateway reports ready (dmtd.serve.readiness: a request through its own path and its OpenAI
+    route reached a warm replica of every variant): the banner then means what ``/healthz`` means. Allowed
+    ten times Serve's proxy readiness wait (a replica builds and warms its engine first); else ``StartupError``."""
+    from ray import serve
 
-    if keyed:
-        return
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 2,
-                       "stream": True}).encode()
-    req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    ctx = ssl._create_unverified_context() if base.startswith("https") else None  # our own loopback
     try:
-        with urllib.request.urlopen(req, timeout=60, context=ctx) as resp:
-            resp.read()
-    except OSError as e:
-        print(f"dmtd serve: the HTTP warm-up request failed ({e}); serving anyway", file=sys.stderr)
+        return dict(serve.get_deployment_handle("Gateway", app_name="dmtd").wait_ready.remote(
+            10 * ready_timeout_s).result())
+    except Exception as e:
+        raise StartupError(f"the gateway's warm-up did not finish within {10 * ready_timeout_s:.0f} s "
+                           f"({type(e).__name__}); {serve_not_up()}") from e
 
 
 def metrics_urls(replicas: int) -> list[str]:
