@@ -108,9 +108,10 @@ def check_neutral(body: Any, chat: bool) -> None:
                              f"serves {shown}")
     if body.add_special_tokens is not None and ADD_SPECIAL_TOKENS[body.add_special_tokens] != (
             "chat" if chat else "completions"):
-        raise InvalidRequest("add_special_tokens", f"{json.dumps(body.add_special_tokens)} is not supported on this "
-                             f"endpoint (it serves {json.dumps(not body.add_special_tokens)}: completions are tokenised without special "
-                             "tokens, chat prompts by their template)")
+        given = body.add_special_tokens
+        raise InvalidRequest("add_special_tokens", f"{json.dumps(given)} is not supported on this endpoint (it serves "
+                             f"{json.dumps(not given)}: completions are tokenised without special tokens, chat prompts "
+                             "by their template)")
 
 
 def apply_extras(body: Any, req: ReplicaRequest, n: int) -> None:

@@ -5,8 +5,8 @@ One validated model per endpoint; ``parse_body`` turns raw bytes into a :class:`
 DMTD extras (``top_k``, ``tau_min``, ``tau_max``, ``min_confidence``, ``user_request_id``, ``dmtd_profile``,
 ``repetition_penalty``, ``guided_regex``, ``guided_choice``) and vLLM's extra sampling parameters
 (``dmtd.serve.openai_extras``: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...) sit beside them; any other key
-is refused, as the OpenAI API does. ``n`` copies go to the replicas as ``n`` requests (``expand``); ``response_format``, the
-``guided_*`` extensions and required tool calls become a grammar (``dmtd.serve.structured``).
+is refused, as the OpenAI API does. ``n`` copies go to the replicas as ``n`` requests (``expand``);
+``response_format``, the ``guided_*`` extensions and required tool calls become a grammar (``dmtd.serve.structured``).
 """
 
 from __future__ import annotations
