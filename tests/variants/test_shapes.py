@@ -163,3 +163,15 @@ def test_a_folder_without_weights_names_the_dummy_format(shape_dirs):
 
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors weights.*--load-format dummy"):
         load_model(shape_dirs["qwen3"])
+
+
+def test_a_variant_manifest_declares_the_dmtd_split_of_a_dummy_shape(shape_dirs, tmp_path):
+    """As for a real variant: the manifest names the shape folder as its base and the split; the engine runs it."""
+    manifest = {"name": "tiny-d2", "base_model": str(shape_dirs["llama"]), "num_thinking_layers": 2,
+                "num_decoding_layers": 2, "tau_max": 4, "default_tau": 3}
+    (tmp_path / "variant.json").write_text(json.dumps(manifest))
+    spec = engine_spec(None, str(tmp_path / "variant.json"), load_format="dummy")
+    assert (spec.dmtd.num_thinking_layers, spec.dmtd.num_decoding_layers, spec.default_tau) == (2, 2, 3)
+    engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=128))
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
+    assert len(out.token_ids) == 9 and out.mean_block_len > 1.0  # τ = 3 cycles: tails emit their tokens
