@@ -120,9 +120,11 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         if not files:
             raise ModelNotFoundError(f"model path {str(path)!r} has no *.safetensors weights (--load-format dummy "
                                      "runs its config with random weights)")
-        # read in float32, then cast: the files and the float32 model at once
+        # read on the host in float32, then cast and moved: the files and the float32 model at once there
         check_fits("the model's weights (read in float32)", model_bytes(cfg, torch.float32)
-                   + sum(f.stat().st_size for f in files), device)
+                   + sum(f.stat().st_size for f in files), "cpu")
+        if torch.device(device).type != "cpu":
+            check_fits("the model's weights", model_bytes(cfg, dtype), device)
         net = Transformer(cfg, rope_len=rope_len)
         net.load_hf_state_dict(load_state_dict(path))
         net = net.to(device=device, dtype=dtype).eval()
