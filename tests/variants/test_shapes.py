@@ -144,7 +144,8 @@ def test_a_shape_that_does_not_fit_memory_is_refused_before_allocating_with_the_
 
 def test_a_kv_pool_that_does_not_fit_is_refused_with_the_figures(shape_dirs):
     spec = engine_spec(str(shape_dirs["qwen3"]), "none", load_format="dummy")
-    with pytest.raises(ConfigError, match=r"the KV pool need [0-9.]+ GiB .* GiB available"):
+    need = r"the KV pool and the engine's packed weights need [0-9.]+ GiB .* GiB available"
+    with pytest.raises(ConfigError, match=need):
         build_engine(spec, EngineConfig(max_num_seqs=4, max_model_len=256, kv_cache_tokens=1 << 40))
 
 

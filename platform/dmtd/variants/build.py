@@ -275,11 +275,13 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
 
 
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
-    """The engine of ``spec``; a KV pool that does not fit the memory left is refused first, with the figures."""
-    from dmtd.variants.memory import check_fits, kv_pool_bytes
+    """The engine of ``spec``; a KV pool (with the engine's packed copy of the weights) that does not fit the memory
+    left is refused first, with the figures."""
+    from dmtd.variants.memory import check_fits, kv_pool_bytes, packed_bytes
 
-    check_fits("the KV pool", kv_pool_bytes(spec.loaded.config, spec.dmtd, cfg or EngineConfig()),
-               (cfg or EngineConfig()).device)
+    cfg = cfg or EngineConfig()
+    check_fits("the KV pool and the engine's packed weights", kv_pool_bytes(spec.loaded.config, spec.dmtd, cfg)
+               + packed_bytes(spec.loaded.config, cfg), cfg.device)
     return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_tau=spec.default_tau,
                      verifier=spec.verifier, draft_vocab=spec.draft_vocab,
                      phrase_table=spec.phrase_table)

@@ -41,6 +41,23 @@ def kv_pool_bytes(cfg: ModelConfig, dmtd: DMTDConfig, ecfg: EngineConfig) -> int
     return positions * bytes_per_position(cfg, dmtd, kv_dtype, kv_dtype)
 
 
+# bytes a parameter takes in the engine's packed copy of the weights (dmtd.engine.lowbit's formats; int formats
+# with their per-group scales, rounded up)
+PACKED_BYTES = {"bf16": 2.0, "int8": 1.125, "int4": 0.75}
+
+
+def packed_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """The engine's packed copy of the layers' and lm_head's weights (the model keeps its own beside it): none for
+    torch's dense matmuls (float32, or no kernels here)."""
+    from dmtd.engine import lowbit
+
+    fmt = lowbit.weight_format(ecfg.dtype, ecfg.quant, torch.device(ecfg.device).type)
+    if fmt is None:
+        return 0
+    return int((param_count(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1))
+               * PACKED_BYTES.get(fmt, 2.0))
+
+
 def available_bytes(device: str = "cpu") -> int:
     """Memory this process may still take on ``device``: the GPU's free memory, or the host's available memory
     within the cgroup's limit."""
