@@ -131,6 +131,9 @@ class VariantArgs(_Settings):
     decoding_layers: int | None = Field(
         default=None, ge=1, description="With variant 'none': run the base model with DMTD routing and this many "
         "decoding layers.")
+    load_format: Literal["auto", "dummy"] | None = Field(
+        default=None, description="'dummy' (vLLM's spelling): the model's config and tokenizer, seeded random "
+        "weights (a shape without its weights); default: env DMTD_LOAD_FORMAT, else 'auto' (its safetensors).")
     weight: float = Field(default=1.0, ge=0, description="Traffic weight among the active variants (relative).")
     replicas: int | None = Field(default=None, ge=0, le=1000,
                                  description="Replicas of this variant (default: the app's).")

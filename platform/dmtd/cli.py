@@ -42,6 +42,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dmtd.serve.local import serve_main
+    from dmtd.variants.loader import LOAD_FORMAT_ENV
+
+    if args.load_format != "auto":  # the replicas' engine builders read it (Ray's processes inherit the environment)
+        os.environ[LOAD_FORMAT_ENV] = args.load_format
 
     variant = args.variant if args.variant is not None else (
         "none" if args.decoding_layers is not None else default_variant())
@@ -67,6 +71,32 @@ def cmd_cost_report(args: argparse.Namespace) -> int:
 
     run_cost_report(args)
     return 0
+
+
+def cmd_shapes(args: argparse.Namespace) -> int:
+    """``dmtd shapes list`` / ``dmtd shapes export NAME DIR``."""
+    from dmtd.variants.memory import GIB, param_count
+    from dmtd.variants.shapes import export_shape, preset, preset_names
+
+    if args.shapes == "export":
+        out = export_shape(preset(args.name), args.dir, chat_template=not args.no_chat_template)
+        print(f"{out}  (dmtd serve --model {out} --load-format dummy; vllm serve {out} --load-format dummy)")
+        return 0
+    print(f"{'shape':<14} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'inter':>6} {'vocab':>7} {'params':>7} "
+          f"{'bf16 GiB':>8}  source")
+    for name in preset_names():
+        s = preset(name)
+        c = s.model_config()
+        n = param_count(c)
+        print(f"{name:<14} {c.num_layers:>6} {c.hidden_size:>6} {c.num_heads:>5} {c.num_kv_heads:>3} "
+              f"{c.intermediate_size:>6} {c.vocab_size:>7} {n / 1e9:>6.2f}B {2 * n / GIB:>8.1f}  {s.source}")
+    return 0
+
+
+def add_load_format_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="'dummy' (vLLM's spelling): the model folder's config.json and tokenizer only, seeded random "
+                   "weights (a shape without its weights: dmtd shapes export); 'auto': its safetensors")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -158,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with a base model or DMTD variant")
     add_generation_args(g)
+    add_load_format_arg(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("convert", help="convert the embedded SmolLM2 GGUF into the safetensors cache")
     c.set_defaults(func=cmd_convert)
@@ -190,7 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     br.set_defaults(func=cmd_bench_routing)
     s = sub.add_parser("serve", help="run the whole stack locally (Ray, registry, gateway, replicas)")
     add_serve_args(s)
+    add_load_format_arg(s)
     s.set_defaults(func=cmd_serve)
+    sh = sub.add_parser("shapes", help="model shapes without weights: the presets, and folders that this engine and "
+                        "vLLM run with --load-format dummy")
+    shsub = sh.add_subparsers(dest="shapes", required=True)
+    shsub.add_parser("list", help="the presets: layers, sizes, parameters")
+    she = shsub.add_parser("export", help="write a preset's folder: config.json and a tokenizer covering its "
+                           "vocabulary (no weights)")
+    she.add_argument("name", help="a preset (dmtd shapes list)")
+    she.add_argument("dir", help="the folder to write (new, empty, or an earlier export)")
+    she.add_argument("--no-chat-template", action="store_true",
+                     help="a tokenizer without a chat template (a base model's: completions only)")
+    sh.set_defaults(func=cmd_shapes)
     from dmtd.telemetry.report import add_cost_report_args
 
     cost = sub.add_parser("cost", help="cost model")

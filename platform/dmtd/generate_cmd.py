@@ -48,8 +48,9 @@ def generate(args: argparse.Namespace) -> int:
         raise UsageError("--decoding-layers applies only with --variant none")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype, quant = variant_precision(variant, args.dtype, args.quant, device, [SHIPPED_VARIANTS])
+    load_format = getattr(args, "load_format", "auto")
     spec = engine_spec(args.model, variant, args.decoding_layers, dtype=getattr(torch, dtype), device=device,
-                       search_dirs=[SHIPPED_VARIANTS])
+                       search_dirs=[SHIPPED_VARIANTS], load_format=load_format)
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
                                              quant=quant, adaptive_drafts=args.drafts == "adaptive",
                                              context_drafts=not args.no_context_drafts,
@@ -67,7 +68,8 @@ def generate(args: argparse.Namespace) -> int:
     # variant engine's own τ = 1 path: "identical" then means identical to what the base model writes
     base_engine = engine
     if args.compare_tau1 and profile == "exact" and variant != "none":
-        base_engine = build_engine(engine_spec(args.model, "none", dtype=getattr(torch, dtype), device=device),
+        base_engine = build_engine(engine_spec(args.model, "none", dtype=getattr(torch, dtype), device=device,
+                                               load_format=load_format),
                                    EngineConfig(max_num_seqs=1, max_model_len=4096, device=device, dtype=dtype,
                                                 quant=quant))
     prompts: list[Any] = [[{"role": "user", "content": c}] for c in args.chat] if args.chat else [args.prompt]
@@ -193,8 +195,9 @@ def generate_remote(args: argparse.Namespace) -> int:
 
     from dmtd.client import generate_to_console
 
-    if args.decoding_layers is not None or args.model is not None:
-        raise UsageError("--model and --decoding-layers choose a local engine; with --server the server decides")
+    if args.decoding_layers is not None or args.model is not None or getattr(args, "load_format", "auto") != "auto":
+        raise UsageError("--model, --decoding-layers and --load-format choose a local engine; with --server the "
+                         "server decides")
     if args.chat and len(args.chat) > 1:
         raise UsageError("--chat: one message with --server (several run one after another on a local engine)")
     profile = {None: "", "dmtd": "adaptive"}.get(args.profile, args.profile)  # "": the variant's default

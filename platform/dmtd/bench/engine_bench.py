@@ -94,6 +94,10 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     if not on_cpu and (args.llama_cpp or not args.no_hf):
         raise RequestError("--device", f"{device}: the HF and llama.cpp rows run on the CPU only; add --no-hf "
                            "and leave out --llama-cpp")
+    load_format = getattr(args, "load_format", "auto")
+    if load_format == "dummy" and (args.llama_cpp or not args.no_hf):
+        raise RequestError("--load-format", "dummy: the HF and llama.cpp rows read the model's own weights; add "
+                           "--no-hf and leave out --llama-cpp")
     llm = pb.llama_cpp_model(torch.get_num_threads(), args.prompt_len + args.new_tokens + 512) if args.llama_cpp \
         else None
     torch.manual_seed(0)
@@ -120,7 +124,7 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
     for prec in precisions:
         engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
-                              max(taus + [1]), device=device)
+                              max(taus + [1]), device=device, load_format=load_format)
         if prec == "float32":
             judge, path = lm.model, lm.path
         cfg, dmtd = lm.config, engine.dmtd
@@ -163,7 +167,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
                     "torch": torch.__version__, **(rates.to_dict() if rates is not None else {}),
                     "stream_gb_s": streams, "device": device,
                     "gpu": torch.cuda.get_device_name(torch.device(device)) if not on_cpu else None},
-        "model": str(path), "num_layers": judge.config.num_layers, "decoding_layers": args.decoding_layers,
+        "model": str(path), "load_format": load_format, "num_layers": judge.config.num_layers,
+        "decoding_layers": args.decoding_layers,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "precisions": precisions, "rows": rows,
         "quality": {"prompts": args.quality_prompts, "new_tokens": args.quality_tokens,
                     "by_precision": pb.quality_rows(quality, judge)},
@@ -198,7 +203,8 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
     from dmtd.variants.paths import SHIPPED_VARIANTS
 
     names = sorted(p.parent.name for p in SHIPPED_VARIANTS.glob("*/variant.json"))
-    name = args.variant or (names[0] if names else "none")
+    dummy = getattr(args, "load_format", "auto") == "dummy"
+    name = args.variant or (names[0] if names and not dummy else "none")  # the shipped variant is SmolLM2's
     taus = [int(t) for t in str(args.exact_taus).split(",") if t]
     if name == "none" or not taus:
         return [], None
@@ -206,7 +212,8 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
 
     dtype, quant = dtype_quant(args.exact_precision)
     device = getattr(args, "device", "cpu")
-    spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), device=device, search_dirs=[SHIPPED_VARIANTS])
+    spec = engine_spec(args.model, name, dtype=getattr(torch, dtype), device=device, search_dirs=[SHIPPED_VARIANTS],
+                       load_format="dummy" if dummy else "auto")
     threshold = spec.draft_threshold if args.draft_threshold is None else args.draft_threshold
     dqs = [q for q in str(args.draft_quants).split(",") if q] or ["auto"]
     ecfg = EngineConfig(max_num_seqs=max(batches), max_model_len=1024, dtype=dtype, quant=quant, device=device)
@@ -332,7 +339,9 @@ def plot(result: dict, path: Path) -> None:
     axes[0][0].legend(loc="upper left")
     m = result["machine"]
     where = m["gpu"] if m.get("gpu") else f"CPU {m['threads']} threads"
-    fig.suptitle(f"SmolLM2-135M by precision, D={result['decoding_layers']}, {where} (one run)")
+    name = "SmolLM2-135M" if "smollm2" in Path(result["model"]).name else Path(result["model"]).name
+    dummy = ", random weights" if result.get("load_format") == "dummy" else ""
+    fig.suptitle(f"{name}{dummy} by precision, D={result['decoding_layers']}, {where} (one run)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

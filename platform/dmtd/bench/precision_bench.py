@@ -41,11 +41,11 @@ def dtype_quant(precision: str) -> tuple[str, str]:
 
 
 def build(model_arg: str | None, precision: str, max_num_seqs: int, max_model_len: int,
-          decoding_layers: int, tau_max: int, device: str = "cpu") -> tuple[LLMEngine, Any]:
+          decoding_layers: int, tau_max: int, device: str = "cpu", load_format: str = "auto") -> tuple[LLMEngine, Any]:
     from dmtd.variants.loader import load_model
 
     dtype, quant = dtype_quant(precision)
-    lm = load_model(model_arg, dtype=getattr(torch, dtype), device=device)
+    lm = load_model(model_arg, dtype=getattr(torch, dtype), device=device, load_format=load_format)
     dmtd = DMTDConfig.plain(lm.config.num_layers, decoding_layers, tau_max=tau_max)
     engine = LLMEngine(lm.model, lm.tokenizer, dmtd, EngineConfig(max_num_seqs=max_num_seqs,
                                                                   max_model_len=max_model_len, dtype=dtype,

@@ -53,7 +53,8 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
     for i, v in enumerate(cfg.variants):
         engine = cfg.engine(v)
         builder = EngineBuilder(variant=v.loads, model=v.model, decoding_layers=v.decoding_layers, tau_max=v.tau_max,
-                                torch_threads=cfg.torch_threads or shared_threads, settings=engine)
+                                torch_threads=cfg.torch_threads or shared_threads, settings=engine,
+                                load_format=v.load_format)
         name = "DMTDReplica" if i == 0 else f"DMTDReplica-{v.name}"
         dep: Any = serve.deployment(DMTDReplica, name=name, num_replicas=cfg.replicas_of(v),
                                     max_ongoing_requests=engine.max_num_seqs + engine.max_queued + 8,

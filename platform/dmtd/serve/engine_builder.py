@@ -24,6 +24,7 @@ class EngineBuilder:
     decoding_layers: int | None = None
     tau_max: int | None = None  # a cap on the variant's own
     torch_threads: int = 0  # 0: env DMTD_TORCH_THREADS, else every core
+    load_format: str | None = None  # None: env DMTD_LOAD_FORMAT, else "auto" (dmtd.variants.loader.LOAD_FORMATS)
     settings: EngineSettings = field(default_factory=EngineSettings)
 
     def __call__(self) -> tuple[LLMEngine, ControllerConfig]:
@@ -31,6 +32,7 @@ class EngineBuilder:
 
         from dmtd.engine.config import EngineConfig
         from dmtd.variants.build import build_engine, engine_spec, variant_precision
+        from dmtd.variants.loader import LOAD_FORMAT_ENV
         from dmtd.variants.paths import SHIPPED_VARIANTS
 
         s = self.settings
@@ -38,8 +40,9 @@ class EngineBuilder:
                               or os.cpu_count() or 1)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype, quant = variant_precision(self.variant, s.dtype, s.quant, device)
+        load_format = self.load_format or os.environ.get(LOAD_FORMAT_ENV, "") or "auto"
         spec = engine_spec(self.model, self.variant, self.decoding_layers, dtype=getattr(torch, dtype), device=device,
-                           search_dirs=[SHIPPED_VARIANTS])
+                           search_dirs=[SHIPPED_VARIANTS], load_format=load_format)
         engine = build_engine(spec, EngineConfig(max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
                                                  kv_cache_tokens=s.pool_tokens(), kv_cache_gib=s.kv_cache_gib,
                                                  device=device, dtype=dtype, quant=quant,

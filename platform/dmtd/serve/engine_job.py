@@ -133,12 +133,20 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
 
 
 
+def serves_chat(engine: Any) -> bool:
+    """Whether ``engine``'s tokenizer renders chat messages (a base model's often has no chat template)."""
+    return bool(getattr(getattr(engine, "tokenizer", None), "chat_template", None))
+
+
 def encode_prompt(engine: LLMEngine, req: ReplicaRequest) -> list[int]:
     """The prompt's token ids, on the engine's thread in the same job as the request's admission: a job of
     its own queued behind the running step, so the request missed the next step too (one step more of
     TTFT, and its cache row idle for that step, under load)."""
     name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
     prompt: Any = req.messages or req.prompt_token_ids or req.prompt
+    if req.messages and not serves_chat(engine):
+        raise RequestFailed(name, f"{name}: this model has no chat template, so it serves completions only (send a "
+                            "prompt: /v1/completions, or the prompt field over gRPC)")
     try:
         return engine.encode(prompt)
     except RequestError as e:

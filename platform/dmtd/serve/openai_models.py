@@ -3,9 +3,10 @@
 One validated model per endpoint; ``parse_body`` turns raw bytes into a :class:`ReplicaRequest` or raises
 :class:`InvalidRequest` naming the field in the OpenAI API's terms (``max_tokens``, ``messages[0].content``).
 DMTD extras (``top_k``, ``tau_min``, ``tau_max``, ``min_confidence``, ``user_request_id``, ``dmtd_profile``,
-``repetition_penalty``, ``guided_regex``, ``guided_choice``) sit beside them; any other key is refused, as the
-OpenAI API does. ``n`` copies go to the replicas as ``n`` requests (``expand``); ``response_format``, the
-``guided_*`` extensions and required tool calls become a grammar (``dmtd.serve.structured``).
+``repetition_penalty``, ``guided_regex``, ``guided_choice``) and vLLM's extra sampling parameters
+(``dmtd.serve.openai_extras``: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...) sit beside them; any other key
+is refused, as the OpenAI API does. ``n`` copies go to the replicas as ``n`` requests (``expand``);
+``response_format``, the ``guided_*`` extensions and required tool calls become a grammar (``dmtd.serve.structured``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dmtd.serve.openai_extras import ChatExtras, CompletionExtras, VllmExtras, apply_extras
 from dmtd.serve.requests import (
     MAX_LOGIT_BIAS,
     MAX_NEW_TOKENS_LIMIT,
@@ -111,9 +113,11 @@ class NamedToolChoice(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] | None = Field(
+        None, description="vLLM extension: usage in every chunk is not served (include_usage gives it at the end)")
 
 
-class _Common(BaseModel):
+class _Common(VllmExtras):
     model_config = _STRICT
 
     model: str = Field("", max_length=256)
@@ -136,7 +140,7 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
-    top_k: int | None = Field(None, ge=0, le=1 << 20, description="DMTD extension: 0 = off")
+    top_k: int | None = Field(None, ge=-1, le=1 << 20, description="extension: 0 or -1 (vLLM's spelling) = off")
     tau_min: int | None = Field(None, ge=0, le=64, description="DMTD extension: lower bound of the cycle length")
     tau_max: int | None = Field(None, ge=0, le=64, description="DMTD extension: upper bound of the cycle length")
     min_confidence: float | None = Field(None, ge=0.0, le=1.0, description="DMTD extension: pin the gate")
@@ -146,7 +150,7 @@ class _Common(BaseModel):
         "none = the variant's default profile")
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, ChatExtras):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -158,7 +162,7 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_Common, CompletionExtras):
     """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or a list of token ids."""
 
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
@@ -268,13 +272,14 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
     req = ReplicaRequest(
         request_id=body.user_request_id or "", max_new_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=stop,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed, stop=stop,
         tau_min=body.tau_min or 0, tau_max=body.tau_max or 0, min_confidence=body.min_confidence,
         profile=body.dmtd_profile or "", arrival_s=arrival_s,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_logit_bias(body.logit_bias),
         grammar=grammar_for(body), logprobs=_logprobs(body),
     )
+    apply_extras(body, req, body.n or 1)
     if isinstance(body, ChatCompletionRequest):
         req.messages = chat_messages(body)
     elif isinstance(body, CompletionRequest):

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from dmtd.engine.sequence import SamplingParams
+from dmtd.serve.engine_job import serves_chat
 
 WARM_TOKENS = 12
 
@@ -19,8 +20,10 @@ WARM_TOKENS = 12
 def warm_up(engine: Any, tau_max: int, default_profile: str) -> float:
     """Run the warm-up generations on ``engine`` (on the thread that owns it); returns its seconds."""
     t = time.perf_counter()
-    prompt: Any = ([{"role": "user", "content": "Say hello in one short sentence."}]
-                   if getattr(engine, "tokenizer", None) is not None else list(range(1, 9)))
+    text = "Say hello in one short sentence."
+    # a tokenizer without a chat template (a base model) warms up on the text, which its completions serve
+    prompt: Any = ([{"role": "user", "content": text}] if serves_chat(engine)
+                   else text if getattr(engine, "tokenizer", None) is not None else list(range(1, 9)))
     exact = [default_profile == "exact", default_profile != "exact"]
     params = [SamplingParams(max_new_tokens=WARM_TOKENS, tau=tau, exact=e, ignore_eos=True)
               for tau in sorted({1, *range(2, tau_max + 1)}) for e in exact]

@@ -230,12 +230,16 @@ def variant_verifier(dmtd: DMTDConfig, changed: set[str], base_layers: list[Laye
 
 def engine_spec(model: str | None = None, variant: str | None = None, decoding_layers: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu",
-                search_dirs: list[Path] | None = None) -> EngineSpec:
-    """Resolve ``--model`` / ``--variant`` / ``--decoding-layers`` into a loaded model and routing.
+                search_dirs: list[Path] | None = None, load_format: str = "auto") -> EngineSpec:
+    """Resolve ``--model`` / ``--variant`` / ``--decoding-layers`` / ``--load-format`` into a loaded model and routing.
 
-    The model is loaded and the variant merged in float32, then cast to ``dtype`` (verifier copies too).
+    The model is loaded and the variant merged in float32, then cast to ``dtype`` (verifier copies too); a plain
+    model's dummy weights (``load_format="dummy"``) are built in ``dtype`` directly, the bfloat16 ones the float32
+    ones rounded, without a float32 copy of the model in memory.
     """
-    spec = _engine_spec(model, variant, decoding_layers, device, search_dirs)
+    plain_dummy = load_format == "dummy" and variant in (None, "none")
+    spec = _engine_spec(model, variant, decoding_layers, device, search_dirs, load_format,
+                        dtype if plain_dummy else torch.float32)
     if dtype != torch.float32:
         spec.loaded.model.to(dtype)
         if spec.verifier is not None and spec.verifier.layers is not None:
@@ -245,13 +249,12 @@ def engine_spec(model: str | None = None, variant: str | None = None, decoding_l
 
 
 def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | None, device: str,
-                 search_dirs: list[Path] | None) -> EngineSpec:
-    dtype = torch.float32
+                 search_dirs: list[Path] | None, load_format: str, dtype: torch.dtype) -> EngineSpec:
     if variant not in (None, "none"):
         mpath = find_variant(variant, search_dirs)
         manifest = read_manifest(mpath)
         root = mpath if mpath.is_dir() else mpath.parent
-        loaded = load_model(model or manifest.base_model, dtype=dtype, device=device)
+        loaded = load_model(model or manifest.base_model, dtype=dtype, device=device, load_format=load_format)
         dmtd = manifest.dmtd_config()
         fits = dmtd.num_layers == loaded.config.num_layers  # else apply_variant_weights names the mismatch
         base_layers = snapshot_decoding_layers(loaded.model, dmtd) if fits else None
@@ -263,7 +266,7 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
         return EngineSpec(loaded, dmtd, manifest.default_tau, manifest.min_confidence, manifest, verifier,
                           read_draft_vocab(manifest, root),
                           read_phrase_table(manifest, root, loaded.config.vocab_size))
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=dtype, device=device, load_format=load_format)
     if loaded.dmtd is not None and decoding_layers is None:  # a DMTD checkpoint verifies with its τ = 1 path
         return EngineSpec(loaded, loaded.dmtd, loaded.dmtd.tau_max, 0.0, None, own_verifier(loaded.dmtd, False))
     L = loaded.config.num_layers
@@ -272,6 +275,13 @@ def _engine_spec(model: str | None, variant: str | None, decoding_layers: int | 
 
 
 def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine:
+    """The engine of ``spec``; a KV pool (with the engine's packed copy of the weights) that does not fit the memory
+    left is refused first, with the figures."""
+    from dmtd.variants.memory import check_fits, kv_pool_bytes, packed_bytes
+
+    cfg = cfg or EngineConfig()
+    check_fits("the KV pool and the engine's packed weights", kv_pool_bytes(spec.loaded.config, spec.dmtd, cfg)
+               + packed_bytes(spec.loaded.config, cfg), cfg.device)
     return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_tau=spec.default_tau,
                      verifier=spec.verifier, draft_vocab=spec.draft_vocab,
                      phrase_table=spec.phrase_table)
