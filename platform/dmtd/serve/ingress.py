@@ -133,16 +133,17 @@ class Gateway:
             await asyncio.sleep(period_s if all_up else start_period_s)
 
     async def warm(self, max_new_tokens: int = 2) -> dict[str, float]:
-        """One short chat request per served variant through the gateway's own path (routing, the Serve handle's
-        first call, the block channel, the replica's stream), so that a first client request does not pay them
-        (``dmtd serve`` runs it before it says it serves); returns each variant's seconds."""
+        """One short request per served variant through the gateway's own path (routing, the Serve handle's first
+        call, the block channel, the replica's stream), so that a first client request does not pay them (``dmtd
+        serve`` runs it before it says it serves); a plain prompt, which every model serves (one without a chat
+        template refuses chat); returns each variant's seconds."""
         from dmtd_contract.records import ReplicaRequest
 
         out = {}
         for name, route in list(self.core.router.routes.items()):
             t = time.perf_counter()
-            req = ReplicaRequest(request_id=f"warm-{uuid.uuid4().hex[:12]}", prompt=None,
-                                 messages=[{"role": "user", "content": "Hello!"}], max_new_tokens=max_new_tokens)
+            req = ReplicaRequest(request_id=f"warm-{uuid.uuid4().hex[:12]}", prompt="Hello!", messages=None,
+                                 max_new_tokens=max_new_tokens)
             async for _ in self.core.stream(route, req):
                 pass
             out[name] = time.perf_counter() - t

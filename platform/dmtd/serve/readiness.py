@@ -86,15 +86,15 @@ class Readiness:
 
 
 def warm_http(base: str, model: str, timeout_s: float = 120.0) -> float:
-    """One short streamed chat request through the OpenAI route at ``base`` (the route's first call: body parsing,
-    the responder, the SSE writer); returns its seconds. Raises ``OSError`` when it fails."""
+    """One short streamed completion through the OpenAI route at ``base`` (the route's first call: body parsing,
+    the responder, the SSE writer; a completion, which every model serves — one without a chat template refuses
+    chat); returns its seconds. Raises ``OSError`` when it fails."""
     import json
     import ssl
     import urllib.request
 
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 2,
-                       "stream": True}).encode()
-    req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    body = json.dumps({"model": model, "prompt": "Hello!", "max_tokens": 2, "stream": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
     ctx = ssl._create_unverified_context() if base.startswith("https") else None  # our own loopback
     t = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout_s, context=ctx) as resp:
