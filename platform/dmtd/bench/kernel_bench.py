@@ -118,9 +118,18 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"path {path}: {done.stderr.strip().splitlines()[-1] if done.stderr else 'failed'}")
         results[path] = json.loads(done.stdout.strip().splitlines()[-1])
     roof = roofline()
+    # a ceiling a kernel beats was not the CPU's (caches larger than the probe's working set, a matmul below peak):
+    # the roofline is the best of the probes and of every product measured
+    for res in results.values():
+        for r, v in res["rows"].items():
+            for ms, head in ((v["layer_ms"], False), (v["lm_head_ms"], True), (v["layer_torch_ms"], False),
+                             (v["lm_head_torch_ms"], True)):
+                gf, gb = rates(args.shape, int(r), ms, head)
+                roof["peak_gflop_s"] = max(roof["peak_gflop_s"], gf if int(r) >= 16 else 0.0)
+                roof["stream_gb_s"] = max(roof["stream_gb_s"], gb if int(r) == 1 else 0.0)
     print(f"\n{args.shape}: ms per call, best of {args.repeats}; lm_head at min(rows, {LM_HEAD_ROWS}); torch: F.linear "
-          f"in bf16 (oneDNN). Roofline: {roof['peak_gflop_s']:.0f} GFLOP/s (bf16 2048³ matmul), "
-          f"{roof['stream_gb_s']:.1f} GB/s (streaming read)")
+          f"in bf16 (oneDNN). Roofline: {roof['peak_gflop_s']:.0f} GFLOP/s, {roof['stream_gb_s']:.1f} GB/s (the best "
+          f"of a bf16 2048³ matmul, a streaming read and every product here)")
     print(f"{'path':>10} {'rows':>5} {'layer':>8} {'torch':>8} {'×torch':>7} {'GFLOP/s':>8} {'GB/s':>6} {'of roof':>7}"
           f" {'lm_head':>8} {'torch':>8} {'×torch':>7} {'of roof':>7}")
     for path, res in results.items():

@@ -68,7 +68,7 @@ def bound(cfg: ModelConfig, dmtd: DMTDConfig | None, tau: int, batch: int, conte
         cycle += (tau - 1) * step(dmtd.num_encoding_layers + dmtd.num_decoding_layers)
     tokens = batch * max(tau, 1)
     t_mem = cycle / (stream_gb_s * 1e9)
-    t_flop = tokens * token_flops(cfg, context) / (rates.matmul_gflop_s * 1e9)  # at the fp32 matmul rate
+    t_flop = tokens * token_flops(cfg, context) / (rates.gflop_s(precision) * 1e9)  # bf16: its own matmul rate
     return {"bound_tok_s": tokens / max(t_mem, t_flop), "bytes_per_token": cycle / tokens,
             "stream_gb_s": stream_gb_s}
 

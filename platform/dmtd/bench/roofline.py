@@ -23,10 +23,16 @@ class MachineRates:
     copy_gb_s: float  # streaming copy bandwidth (read + write bytes / s)
     matvec_gb_s: float  # weight bytes / s of batch-1 matrix-vector products over a set larger than caches
     matmul_gflop_s: float  # large fp32 matmul throughput
+    matmul_bf16_gflop_s: float = 0.0  # large bf16 matmul throughput (torch's oneDNN; 0: not measured)
 
     def to_dict(self) -> dict[str, float]:
         return {"copy_gb_s": self.copy_gb_s, "matvec_gb_s": self.matvec_gb_s,
-                "matmul_gflop_s": self.matmul_gflop_s}
+                "matmul_gflop_s": self.matmul_gflop_s, "matmul_bf16_gflop_s": self.matmul_bf16_gflop_s}
+
+    def gflop_s(self, precision: str) -> float:
+        """The compute ceiling of a precision's products: bf16 at the bf16 matmul's rate where it was measured and
+        is faster (a CPU that multiplies bf16 natively), else float32's."""
+        return max(self.matmul_gflop_s, self.matmul_bf16_gflop_s) if precision == "bfloat16" else self.matmul_gflop_s
 
 
 def step_bytes(cfg: ModelConfig, num_layers: int, batch: int, context: int, elem: int = 4) -> float:
@@ -74,8 +80,8 @@ def _matvec_gb_s(working_set_mb: int, repeats: int) -> float:
     return sum(w.numel() * 4 for w in mats) / t / 1e9
 
 
-def _matmul_gflop_s(repeats: int) -> float:
-    a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
+def _matmul_gflop_s(repeats: int, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(1024, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
     return 2 * 1024 * 2048 * 2048 / _best(lambda: torch.matmul(a, b), repeats) / 1e9
 
 
@@ -93,4 +99,5 @@ def measure_rates(working_set_mb: int = 768, repeats: int = 3) -> MachineRates:
     The matvec runs first: a large copy beforehand leaves the allocator's fresh pages slow to stream.
     """
     return MachineRates(matvec_gb_s=_matvec_gb_s(working_set_mb, repeats), matmul_gflop_s=_matmul_gflop_s(repeats + 2),
-                        copy_gb_s=_copy_gb_s(working_set_mb, repeats))
+                        copy_gb_s=_copy_gb_s(working_set_mb, repeats),
+                        matmul_bf16_gflop_s=_matmul_gflop_s(repeats + 2, torch.bfloat16))
