@@ -19,7 +19,7 @@ from dmtd.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from dmtd.engine.kv_manager import KVCacheManager
-    from dmtd.engine.scheduler import SchedulerOutput
+    from dmtd.engine.scheduler import StepPlan
 
 __all__ = ["AGE_STEPS", "STEP_KEYS", "PrefillPlanning"]
 
@@ -44,12 +44,13 @@ class PrefillPlanning:
     max_prefill_tokens: int
     long_prefill_tokens: int
     num_schedules: int
+    queued_at: dict[int, int]
     last_prefill_keys: float
 
     if TYPE_CHECKING:  # the scheduler's own
-        def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool: ...
+        def _admit(self, seq: Sequence, out: StepPlan) -> bool: ...
 
-    def _plan_prefill(self, out: SchedulerOutput, paced: bool, keys: float) -> None:
+    def _plan_prefill(self, out: StepPlan, paced: bool, keys: float) -> None:
         """The prompts this step computes into ``out.prefill``, each planned to its end (``kv.plan_prefill``);
         ``paced``: sequences decode beside it and ``keys`` is the work the pacer grants the step."""
         C = self.prefill_chunk
@@ -123,7 +124,7 @@ class PrefillPlanning:
         prefix is cached before one computed whole: the least mean time to first token), and none waits for ever
         behind later short ones."""
         left = prompt_cost(seq.num_prefilled, seq.resume_len or seq.num_tokens)
-        return left / (1.0 + (self.num_schedules - seq.queued_at) / AGE_STEPS)
+        return left / (1.0 + (self.num_schedules - self.queued_at[seq.seq_no]) / AGE_STEPS)
 
     def _short(self, seq: Sequence) -> bool:
         """A prompt of at most ``long_prefill_tokens`` positions to compute: while others decode it is prefilled whole
