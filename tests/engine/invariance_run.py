@@ -55,7 +55,7 @@ class Recorder:
                 keep(s, list(s.token_ids), r.prompt_logits[k])
 
         def on_verify(seqs: list[Any], prompts: list[Any] | None = None) -> torch.Tensor:
-            inputs = [(list(s.token_ids), list(s.drafts)) for s in seqs]
+            inputs = [(list(s.token_ids), list(s.draft.tokens)) for s in seqs]
             out = verify(seqs, prompts)
             R = out.shape[1]
             for i, (s, (toks, drafts)) in enumerate(zip(seqs, inputs)):

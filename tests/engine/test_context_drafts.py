@@ -131,10 +131,10 @@ def test_the_policy_takes_context_drafts_only_where_they_pay(mine, engine_wide, 
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=20, tau=3, exact=True))
     eng.step()  # the prefill: its token decides this first cycle
     seq = eng.seqs[rid]
-    seq.clear_drafts()
+    seq.draft.clear()
     if mine is not None:
-        seq.context_by_pos = {name: ([mine[1]], [mine[0]]) for name in LOOKUPS.values()}
+        seq.draft.context_by_pos = {name: ([mine[1]], [mine[0]]) for name in LOOKUPS.values()}
     seq.token_ids += prompt[-6:]  # make sure the context ends in a repeated phrase
     eng.cycles.from_context(seq)
-    assert (set(seq.draft_sources) <= set(LOOKUPS.values()) and seq.draft_sources != []) is expect
-    assert (len(seq.drafts) > 0) is expect
+    assert (set(seq.draft.sources) <= set(LOOKUPS.values()) and seq.draft.sources != []) is expect
+    assert (len(seq.draft.tokens) > 0) is expect

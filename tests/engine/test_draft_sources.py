@@ -32,7 +32,7 @@ def test_the_phrase_table_names_its_band_and_goes_on_after_the_tails():
     src = PhraseTableDrafts(table)
     assert src.propose(_seq([1, 2, 3]), 2) == (LONG_HIGH, [4, 5])
     seq = _seq([9, 1, 2])
-    seq.add_drafts([3], TAILS)  # the tails drafted 3: the table goes on from 1 2 3
+    seq.draft.add([3], TAILS)  # the tails drafted 3: the table goes on from 1 2 3
     assert src.extend(seq, 2) == (after_tails(LONG_HIGH), [4, 5])
 
 
@@ -42,19 +42,20 @@ def test_the_ledger_counts_each_source_and_a_later_run_only_after_the_earlier_wa
     ext = after_tails(LONG_HIGH)
     # two tail drafts, then two of the table: all tails and one table draft accepted
     assert ledger.count(seq, [TAILS, TAILS, ext, ext], 3) == (2, 1)
-    assert (seq.num_drafted, seq.num_accepted) == (4, 3)
-    assert (seq.drafted_by_pos, seq.accepted_by_pos) == ([1, 1], [1, 1])
-    assert seq.context_by_pos[ext] == ([1, 1], [1, 0]) == ledger.seen[ext]
+    assert (seq.draft.num_drafted, seq.draft.num_accepted) == (4, 3)
+    assert (seq.draft.drafted_by_pos, seq.draft.accepted_by_pos) == ([1, 1], [1, 1])
+    assert seq.draft.context_by_pos[ext] == ([1, 1], [1, 0]) == ledger.seen[ext]
     # one tail draft rejected: the table's run is drafted (checked) but says nothing of the table by position
     assert ledger.count(seq, [TAILS, TAILS, ext], 1) == (1, 0)
-    assert (seq.num_drafted, seq.num_accepted, seq.num_context_drafted, seq.num_context_accepted) == (7, 4, 3, 1)
-    assert (seq.drafted_by_pos, seq.accepted_by_pos) == ([2, 2], [2, 1])
-    assert seq.context_by_pos[ext] == ([1, 1], [1, 0]) == ledger.seen[ext]
+    st = seq.draft
+    assert (st.num_drafted, st.num_accepted, st.num_context_drafted, st.num_context_accepted) == (7, 4, 3, 1)
+    assert (seq.draft.drafted_by_pos, seq.draft.accepted_by_pos) == ([2, 2], [2, 1])
+    assert seq.draft.context_by_pos[ext] == ([1, 1], [1, 0]) == ledger.seen[ext]
     # a cycle of prompt lookup alone: its own counts, the tails' untouched
     assert ledger.count(seq, [LOOKUPS[3]] * 3, 2) == (3, 2)
-    assert seq.context_by_pos[LOOKUPS[3]] == ([1, 1, 1], [1, 1, 0]) == ledger.seen[LOOKUPS[3]]
-    assert (seq.drafted_by_pos, seq.accepted_by_pos) == ([2, 2], [2, 1])
-    assert seq.num_context_drafted - 3 == 3 and seq.num_context_accepted == 3
+    assert seq.draft.context_by_pos[LOOKUPS[3]] == ([1, 1, 1], [1, 1, 0]) == ledger.seen[LOOKUPS[3]]
+    assert (seq.draft.drafted_by_pos, seq.draft.accepted_by_pos) == ([2, 2], [2, 1])
+    assert seq.draft.num_context_drafted - 3 == 3 and seq.draft.num_context_accepted == 3
 
 
 def test_the_engine_wide_counts_halve_past_a_thousand_cycles():

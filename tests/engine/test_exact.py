@@ -123,11 +123,11 @@ def test_tails_follow_their_own_path_the_masked_forward_with_the_realised_heads(
     drafts: list[tuple[int, list[int], int]] = []  # (position, inputs up to it, draft)
     heads = set(range(len(prompt)))
     while eng.has_unfinished():
-        before = list(seq.drafts)
+        before = list(seq.draft.tokens)
         outs = eng.step()
-        if len(seq.drafts) == len(before) + 1:
+        if len(seq.draft.tokens) == len(before) + 1:
             q = seq.draft_position - 1
-            drafts.append((q, seq.token_ids + before, seq.drafts[-1]))
+            drafts.append((q, seq.token_ids + before, seq.draft.tokens[-1]))
         if outs:  # a check (or the prefill) closed a block: the position whose logits gave its last token
             heads.add(len(seq.token_ids) - 2)
     tokens = seq.token_ids
@@ -161,9 +161,9 @@ def test_a_checked_chunk_scores_each_position_as_that_position_alone(dtype, prom
         eng.step()
     seq, runner = eng.seqs[rid], eng.runner
     drafts, kept = [11, 42, 5], list(seq.token_ids)
-    seq.add_drafts(list(drafts), "probe")
+    seq.draft.add(list(drafts), "probe")
     chunk = runner.verify([seq])[0]
-    seq.clear_drafts()
+    seq.draft.clear()
     alone = []
     for d in [*drafts, None]:
         alone.append(runner.verify([seq])[0, -1])
@@ -187,13 +187,13 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_never_existed():
     seq = eng.seqs[rid]
     rejected = 0
     for _ in range(30):  # stop right after a check that rejected a draft
-        m = len(seq.drafts)
+        m = len(seq.draft.tokens)
         outs = eng.step()
         if outs and m and outs[-1].num_accepted < m:
             rejected += 1
             if rejected == 3:
                 break
-    assert rejected == 3 and not seq.drafts and not seq.draft_done
+    assert rejected == 3 and not seq.draft.tokens and not seq.draft.done
     n = seq.num_tokens
     assert seq.num_tail_cached <= n - 1
     fresh = tiny_engine(base, DMTD)

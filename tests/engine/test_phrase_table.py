@@ -137,9 +137,9 @@ def test_a_table_for_another_vocabulary_is_refused():
 
 def _seq_with_drafts(tail_acc: tuple[int, int]) -> Sequence:
     seq = Sequence("r", [1, 2, 3, 4], SamplingParams(max_new_tokens=20, exact=True), tau=4)
-    seq.add_drafts([7], TAILS)
-    seq.draft_done = True
-    seq.drafted_by_pos, seq.accepted_by_pos = [tail_acc[1]], [tail_acc[0]]
+    seq.draft.add([7], TAILS)
+    seq.draft.done = True
+    seq.draft.drafted_by_pos, seq.draft.accepted_by_pos = [tail_acc[1]], [tail_acc[0]]
     return seq
 
 

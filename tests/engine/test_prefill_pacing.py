@@ -199,7 +199,8 @@ def test_exact_prompts_drafts_kv_after_the_first_token_is_the_kv_computed_with_i
             e.step()
             step += 1
         assert e.scheduler.num_rides >= 1 and e.cache_report()["prefix_hits"] >= 1
-        return [(list(s.token_ids[s.prompt_len:]), s.num_drafted, s.num_accepted, list(s.accepted_by_pos))
+        return [(list(s.token_ids[s.prompt_len:]), s.draft.num_drafted, s.draft.num_accepted,
+                 list(s.draft.accepted_by_pos))
                 for s in (e.seqs[r] for r in ids)], e.pass_stats.get("catch_up")
 
     now, caught = run(False)

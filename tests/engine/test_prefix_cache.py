@@ -128,7 +128,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_beside_running_rows():
     e.add_request(rand_ids(g, 5), p)
     e.step()  # prefilled: it runs
     steps: list[str] = []
-    prefill, decode = e.runner.prefill, e._decode
+    prefill, decode = e.runner.prefill, e.executor._decode
 
     def traced_prefill(seqs):
         steps.append(f"P{sum(s.prefill_end - s.num_prefilled for s in seqs)}")
@@ -138,13 +138,13 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_beside_running_rows():
         steps.append("D")
         return decode(out, t)
 
-    e.runner.prefill, e._decode = traced_prefill, traced_decode
+    e.runner.prefill, e.executor._decode = traced_prefill, traced_decode
     long = e.add_request(rand_ids(g, 60), p)
     while e.seqs[long].num_prefilled < 60:
         e.step()
     # 60 positions: 7 chunks of 8 and one of 4; the first at once, each later one after a decode step
     assert steps == ["P8", "D"] * 7 + ["P4"]
-    e.runner.prefill, e._decode = prefill, decode
+    e.runner.prefill, e.executor._decode = prefill, decode
     while e.has_unfinished():
         e.step()
     assert len(e.seqs[long].token_ids) == 60 + 40

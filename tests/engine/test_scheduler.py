@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dmtd.engine.config import DMTDConfig
-from dmtd.engine.scheduler import CapacityError, Scheduler, SchedulerOutput
+from dmtd.engine.scheduler import CapacityError, Scheduler, StepPlan
 from dmtd.engine.sequence import RequestError, SamplingParams, Sequence
 
 
@@ -20,7 +20,7 @@ def seq(rid, n=4, tau=3, **kw):
 def drive(s: Scheduler, tokens_of, conf=0.9, eos_ids=frozenset({0})):
     out = s.schedule()
     if out.prefill:  # the prompt chunks are computed (by the runner, in the engine): the completed ones run
-        out = SchedulerOutput(prefill=s.prefilled(out.prefill))
+        out = StepPlan(prefill=s.prefilled(out.prefill))
     toks = [tokens_of(q) for q in out.seqs]
     return out, s.postprocess(out, toks, [conf] * len(toks), eos_ids=eos_ids)
 
@@ -146,7 +146,7 @@ def prompt(rid, tokens, **kw):
     return Sequence(rid, list(tokens), SamplingParams(**{"max_new_tokens": 4, **kw}), tau=1)
 
 
-def finish_prefill(s: Scheduler, out: SchedulerOutput) -> list[str]:
+def finish_prefill(s: Scheduler, out: StepPlan) -> list[str]:
     """The runner computed the step's prompt positions: the prompts it completed, by id."""
     return [q.req_id for q in s.prefilled(out.prefill or out.ride)]
 

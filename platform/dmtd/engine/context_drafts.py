@@ -37,7 +37,7 @@ def choose(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, bar: float
     best, source = bar, ""
     for name, cont in candidates(seq, most, sources):
         cont = until_stop(seq, cont, eos_ids)
-        drafted, accepted = seq.context_by_pos.get(name, ([], []))
+        drafted, accepted = seq.draft.context_by_pos.get(name, ([], []))
         seen_d, seen_a = seen.get(name, ([], []))
         prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
         for m in range(1, len(cont) + 1):
@@ -59,12 +59,12 @@ def extension(seq: Sequence, seen: Counts, costs: PassCosts, batch: int, cont: l
     """How much of ``cont`` (the phrase table's continuation of the tails' drafts) to check after them: the prefix
     with the most expected tokens per cycle cost, if that beats the tails' drafts alone, else none. The tokens
     count only where every tail draft is accepted; they cost the check's wider rows, no pass."""
-    m = len(seq.drafts)
+    m = len(seq.draft.tokens)
     reach = 1.0
-    for a in acceptance_by_pos(seq.accepted_by_pos, seq.drafted_by_pos, m):
+    for a in acceptance_by_pos(seq.draft.accepted_by_pos, seq.draft.drafted_by_pos, m):
         reach *= a
-    tokens, cost = expected_tokens(seq.accepted_by_pos, seq.drafted_by_pos, m), costs.cycle_cost(batch, m)
-    drafted, accepted = seq.context_by_pos.get(source, ([], []))
+    tokens, cost = expected_tokens(seq.draft.accepted_by_pos, seq.draft.drafted_by_pos, m), costs.cycle_cost(batch, m)
+    drafted, accepted = seq.draft.context_by_pos.get(source, ([], []))
     seen_d, seen_a = seen.get(source, ([], []))
     prior = acceptance_by_pos(_less(seen_a, accepted), _less(seen_d, drafted), MAX_CONTEXT_DRAFTS)
     pick: list[int] = []

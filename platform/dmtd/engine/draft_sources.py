@@ -1,6 +1,6 @@
 """Where a verified cycle's drafts come from, and how their acceptance is counted — once, by source name.
 
-A cycle's drafts are a run of tokens, each with the name of the source that proposed it (``Sequence.draft_sources``):
+A cycle's drafts are a run of tokens, each with the name of the source that proposed it (``DraftState.sources``):
 the tails (``TAILS``, the DMTD decoding layers' own drafts, made by draft passes), prompt lookup (``lookup3``,
 ``lookup2``: what followed the latest earlier occurrence of the context's last n tokens), the variant's phrase table
 (``phrase3-high``, ``phrase3-low``, ``phrase2``, and ``…+tails`` where it goes on from the tails' drafts) and a
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dmtd.engine.draft_policy import count_cycle
+from dmtd.engine.draft_state import CONTEXT_NGRAMS
 from dmtd.engine.phrase_table import N, PhraseTable
-from dmtd.engine.sequence import CONTEXT_NGRAMS, Sequence
+from dmtd.engine.sequence import Sequence
 
 TAILS = "tails"  # the DMTD tails' drafts (draft passes)
 FORCED = "forced"  # a grammar's forced tokens (dmtd.engine.logits_process)
@@ -66,7 +67,7 @@ class PhraseTableDrafts:
         return (band, cont) if cont else None
 
     def extend(self, seq: Sequence, most: int) -> tuple[str, list[int]] | None:
-        cont, band = self.table.continuation(seq.token_ids[-N:] + seq.drafts, most)
+        cont, band = self.table.continuation(seq.token_ids[-N:] + seq.draft.tokens, most)
         return (after_tails(band), cont) if cont else None
 
 
@@ -98,8 +99,9 @@ class DraftLedger:
         """Fold one checked cycle whose drafts came from ``sources`` (one name per draft) and whose first
         ``accepted`` drafts were emitted. A run after the first counts by position only where every draft before it
         was accepted. Returns the cycle's (drafted, accepted) drafts not from the tails."""
-        seq.num_drafted += len(sources)
-        seq.num_accepted += accepted
+        st = seq.draft
+        st.num_drafted += len(sources)
+        st.num_accepted += accepted
         other_d = other_a = 0
         for name, start, n in parts(sources):
             got = max(0, min(accepted - start, n))
@@ -108,14 +110,14 @@ class DraftLedger:
             if start and accepted < start:
                 continue
             if name == TAILS:
-                count_cycle(seq.drafted_by_pos, seq.accepted_by_pos, n, got)
+                count_cycle(st.drafted_by_pos, st.accepted_by_pos, n, got)
                 continue
-            d, a = seq.context_by_pos.setdefault(name, ([], []))
+            d, a = st.context_by_pos.setdefault(name, ([], []))
             count_cycle(d, a, n, got)
             d, a = self.seen.setdefault(name, ([], []))
             count_cycle(d, a, n, got)
             if d and d[0] > 1000:  # halved past 1,000 cycles: they follow the workload
                 d[:], a[:] = [x // 2 for x in d], [x // 2 for x in a]
-        seq.num_context_drafted += other_d
-        seq.num_context_accepted += other_a
+        st.num_context_drafted += other_d
+        st.num_context_accepted += other_a
         return other_d, other_a

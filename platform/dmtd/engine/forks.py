@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dmtd.engine.kv_cache import KVCache
-from dmtd.engine.scheduler import Scheduler, SchedulerOutput
+from dmtd.engine.scheduler import Scheduler, StepPlan
 from dmtd.engine.sequence import Sequence, SequenceStatus
 
 
@@ -47,8 +47,8 @@ class Forks:
         """The requests that waited on a sibling that will not be prefilled (aborted): they queue on their own."""
         return self.waiting.pop(sibling_id, [])
 
-    def fork(self, out: SchedulerOutput, logits: torch.Tensor, scheduler: Scheduler,
-             cache: KVCache) -> tuple[SchedulerOutput, torch.Tensor]:
+    def fork(self, out: StepPlan, logits: torch.Tensor, scheduler: Scheduler,
+             cache: KVCache) -> tuple[StepPlan, torch.Tensor]:
         """After a prefill pass: the prefilled prompts' waiting siblings join the batch as if prefilled with it."""
         if not self.waiting:
             return out, logits

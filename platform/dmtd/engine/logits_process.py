@@ -83,13 +83,13 @@ class LogitsShaper:
     def check_rows(self, logits: torch.Tensor, seq: Sequence) -> tuple[torch.Tensor, int]:
         """A check's rows [m + 1, V] shaped, and how many of the drafts to check: with a grammar, up to and
         including the first one it forbids (its row's mask rejects it; the rows after it are never reached)."""
-        m = len(seq.drafts)
+        m = len(seq.draft.tokens)
         st = self.states.get(seq.req_id)
         if st is None or not shapes(seq.params):
             return logits, m
         if st.matcher is not None:
-            m = min(m, st.matcher.validate_tokens(seq.drafts) + 1)
-        return self._shape(logits[: m + 1].float().clone(), seq, seq.drafts[:m]), m
+            m = min(m, st.matcher.validate_tokens(seq.draft.tokens) + 1)
+        return self._shape(logits[: m + 1].float().clone(), seq, seq.draft.tokens[:m]), m
 
     def _shape(self, x: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
         """Rows [r, V] in place: row j follows the output so far plus ``drafts[:j]``."""

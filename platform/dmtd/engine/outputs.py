@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dmtd.engine.draft_state import DraftState
 
 # one emitted token's log-probability: (token id, its bytes, log p, the most likely tokens as (id, bytes, log p))
 TokenLogprob = tuple[int, bytes, float, list[tuple[int, bytes, float]]]
@@ -32,7 +35,7 @@ class Detokenizer:
         return ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepOutput:
     """What one step did for one request (``block`` set when a cycle completed)."""
 
@@ -73,6 +76,26 @@ class GenerationResult:
     num_context_drafted: int = 0
     num_context_accepted: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, o: StepOutput) -> None:
+        """Fold one of the request's step outputs in."""
+        if o.token_id >= 0:
+            self.token_ids.append(o.token_id)
+            self.head_flags.append(o.is_head)
+            self.confidences.append(o.confidence)
+        self.text += o.text_delta
+        if o.logprob is not None:
+            self.logprobs.append(o.logprob)
+        if o.block:
+            self.blocks.append(o.block)
+        if o.finished:
+            self.finish_reason, self.error = o.finish_reason, o.error
+
+    def add_drafts(self, draft: DraftState) -> None:
+        """The finished request's verified cycles, counted (drafted and accepted, by source and by position)."""
+        self.num_drafted, self.num_accepted = draft.num_drafted, draft.num_accepted
+        self.num_context_drafted, self.num_context_accepted = draft.num_context_drafted, draft.num_context_accepted
+        self.drafted_by_pos, self.accepted_by_pos = list(draft.drafted_by_pos), list(draft.accepted_by_pos)
 
     @property
     def acceptance(self) -> float | None:

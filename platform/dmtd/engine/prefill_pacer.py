@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, field
 
 __all__ = ["CARRIERS", "MAX_PACE", "ROW_KEYS", "PrefillPacer", "end_within", "prompt_cost"]
 
@@ -47,6 +48,15 @@ def end_within(start: int, target: int, units: float) -> int:
     return min(target, start + max(n, 1))
 
 
+@dataclass(slots=True, kw_only=True)
+class StepBudgets:
+    """What a step may spend on prompts (the scheduler's input, :meth:`PrefillPacer.budgets`)."""
+
+    free_split: bool = False  # a prompt may be split anywhere (prompts run as rows: the split changes no bits)
+    prefill: float | None = None  # keys a prefill step may read while sequences decode (None: one chunk; < 0: none)
+    ride: dict[str, float | None] = field(default_factory=dict)  # keys prompt rows may add to a carrier, by CARRIERS
+
+
 class PrefillPacer:
     """When a prefill step runs while sequences decode, and how many keys (:func:`prompt_cost`) it may read.
 
@@ -70,6 +80,13 @@ class PrefillPacer:
         self.carrier_ms: dict[str, float | None] = dict.fromkeys(CARRIERS)
         self._rides: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=window) for k in CARRIERS}
         self._steps: deque[tuple[float, float]] = deque(maxlen=window)  # paced prefill steps: (keys, ms)
+
+    def budgets(self, free_split: bool, num_prompts: int, num_running: int) -> StepBudgets:
+        """The next step's budgets, ``num_prompts`` waiting or partly prefilled beside ``num_running`` decoding (the
+        ride budgets, each a least-squares fit over the rides, only while a prompt waits to ride)."""
+        self.share(num_prompts, num_running)
+        return StepBudgets(free_split=free_split, prefill=self.budget() if free_split else None,
+                           ride={k: self.ride_budget(k) for k in CARRIERS} if num_prompts else {})
 
     def share(self, waiting: int, running: int) -> None:
         """This step's pace from the load: at least ``base_pace``, and ``waiting / running`` where more prompts wait

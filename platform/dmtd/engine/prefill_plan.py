@@ -43,6 +43,7 @@ class PrefillPlanning:
     max_prefill_tokens: int
     long_prefill_tokens: int
     num_schedules: int
+    queued_at: dict[int, int]
     last_prefill_keys: float
 
     if TYPE_CHECKING:  # the scheduler's own
@@ -122,7 +123,7 @@ class PrefillPlanning:
         prefix is cached before one computed whole: the least mean time to first token), and none waits for ever
         behind later short ones."""
         left = prompt_cost(seq.num_prefilled, seq.resume_len or seq.num_tokens)
-        return left / (1.0 + (self.num_schedules - seq.queued_at) / AGE_STEPS)
+        return left / (1.0 + (self.num_schedules - self.queued_at[seq.seq_no]) / AGE_STEPS)
 
     def _short(self, seq: Sequence) -> bool:
         """A prompt of at most ``long_prefill_tokens`` positions to compute: while others decode it is prefilled whole

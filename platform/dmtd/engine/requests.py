@@ -1,11 +1,10 @@
-"""What the engine keeps per request, in one record: its sequence (scheduler and KV state), its detokenizer (text and
-stop strings), its sampling generator and the q of its pending drafts (sampled verified cycles). Dropped in one place
-(``LLMEngine._forget``)."""
+"""What the engine keeps per request, in one record: its sequence (scheduler, KV and draft state), its detokenizer (text
+and stop strings) and its sampling generator. Dropped in one place (``RequestProcessor.forget``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +17,6 @@ class RequestState:
     seq: Sequence
     detok: Detokenizer | None  # None: no tokenizer (token ids in, token ids out)
     gen: torch.Generator | None  # None: greedy
-    draft_q: list[torch.Tensor | None] = field(default_factory=list)  # the tail's distribution of each pending draft
 
 
 class SequenceView(Mapping[str, Sequence]):

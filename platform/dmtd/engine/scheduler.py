@@ -4,27 +4,36 @@ preemption, DMTD phases, blocks, retirement."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dmtd.engine.config import DMTDConfig
-from dmtd.engine.draft_sources import TAILS
 from dmtd.engine.kv_manager import CapacityError, KVCacheManager
 from dmtd.engine.kv_pages import KVPages
+from dmtd.engine.prefill_pacer import StepBudgets
 from dmtd.engine.prefill_plan import PrefillPlanning
 from dmtd.engine.prefix_cache import PrefixCache
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
-__all__ = ["CapacityError", "Scheduler", "SchedulerOutput", "TokenEvent"]
+__all__ = ["CapacityError", "Scheduler", "StepPlan", "TokenEvent"]
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step runs: either prompt chunks (each sequence's ``num_prefilled`` .. ``prefill_end``) or a decode
-    batch (heads and tails mixed)."""
+@dataclass(slots=True, kw_only=True)
+class StepPlan:
+    """What one step runs, as :meth:`Scheduler.schedule` planned it: either prompt chunks (``prefill``: each sequence's
+    positions ``num_prefilled .. prefill_end``, one sequence after the other) or one decode step of every running
+    sequence (``decode``), with prompt chunks riding on its carrier pass (``ride``). The decode step's sequences by
+    pass kind — ``plain`` ones run their heads and tails, ``drafting`` ones a draft pass, ``checking`` ones a check —
+    are set by the verified-cycles component (:meth:`dmtd.engine.verified.VerifiedCycles.assign`)."""
 
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
-    # prompt chunks that ride along with a decode step's check pass (their positions num_prefilled .. prefill_end)
     ride: list[Sequence] = field(default_factory=list)
+    plain: list[Sequence] = field(default_factory=list)
+    drafting: list[Sequence] = field(default_factory=list)
+    checking: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # their pages were taken back for this step's
+    prefill_keys: float = 0.0  # the work of its prompt chunks (keys read, dmtd.engine.prefill_pacer)
+    paced: bool = False  # its prefill step was paced beside decoding sequences
 
     @property
     def is_prefill(self) -> bool:
@@ -33,6 +42,15 @@ class SchedulerOutput:
     @property
     def seqs(self) -> list[Sequence]:
         return self.prefill or self.decode
+
+    @property
+    def heads(self) -> list[Sequence]:
+        """The plain sequences at their heads (every layer group runs for them)."""
+        return [s for s in self.plain if s.next_is_head]
+
+    @property
+    def tails(self) -> list[Sequence]:
+        return [s for s in self.plain if not s.next_is_head]
 
 
 @dataclass(slots=True)
@@ -81,9 +99,10 @@ class Scheduler(PrefillPlanning):
         self.kv = KVCacheManager(max_num_seqs, max_model_len, self.lookahead, cache_chunk or prefill_chunk,
                                  prefix_caching, pages)
         self.num_preempted = 0
-        self._preempted: list[Sequence] = []  # since the engine last took them (take_preempted)
-        # Phase alignment (prompt_end variants): heads of all rows fall on the same decode steps, so a
-        # batched tail step reads only the decoding layers' weights. A row's first cycle after its
+        self._preempted: list[Sequence] = []  # while planning a step (StepPlan.preempted)
+        self.on_resume: Callable[[Sequence], None] | None = None  # a preempted sequence decodes on (its next cycle)
+        # Phase alignment (prompt_end variants): heads of all sequences fall on the same decode steps, so
+        # a batched tail step reads only the decoding layers' weights. A sequence's first cycle after its
         # prompt, and the cycle after a confidence cut's head, are shortened to meet the shared clock.
         self.align_phases = align_phases and dmtd.phase_anchor == "prompt_end"
         self.num_decode_steps = 0
@@ -96,8 +115,8 @@ class Scheduler(PrefillPlanning):
         self.prefilling: list[Sequence] = []  # admitted, their prompts partly prefilled
         self.running: list[Sequence] = []
         self._last_prefill = False
-        # set by the engine before each step: whether a prompt may be split anywhere, and the keys a prefill step
-        # may read while sequences decode (None: one chunk)
+        # the step's budgets (schedule's StepBudgets): whether a prompt may be split anywhere, and the keys a prefill
+        # step may read while sequences decode (None: one chunk)
         self.free_split = False
         self.prefill_budget: float | None = None  # negative: no prefill step now (the pacer's credit is short)
         # keys prompt rows may add to a carrier step, by carrier (dmtd.engine.prefill_pacer.CARRIERS)
@@ -106,6 +125,7 @@ class Scheduler(PrefillPlanning):
         self.last_prefill_paced = False
         self.num_rides = 0  # decode steps that carried prompt rows (on a check pass or a head step)
         self.num_schedules = 0  # schedule() calls: a prompt's age in them orders prefill (_prefill_order)
+        self.queued_at: dict[int, int] = {}  # seq_no → num_schedules when it was queued (its prefill order ages)
 
     @property
     def pages(self) -> KVPages:
@@ -118,6 +138,11 @@ class Scheduler(PrefillPlanning):
     @property
     def num_free_kv_rows(self) -> int:
         return self.kv.num_free_rows
+
+    @property
+    def num_prompts(self) -> int:
+        """Sequences waiting or partly prefilled."""
+        return len(self.waiting) + len(self.prefilling)
 
     @property
     def num_unfinished(self) -> int:
@@ -135,22 +160,25 @@ class Scheduler(PrefillPlanning):
             raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max} (the variant's tau_max), "
                                f"got {seq.tau}")
         self.kv.check(seq)
-        seq.queued_at = self.num_schedules
+        self.queued_at[seq.seq_no] = self.num_schedules
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budgets: StepBudgets | None = None) -> StepPlan:
         """Prompt chunks if any are due, else one decode step for every running sequence. A new prompt is
         prefilled at once; while a prompt is partly prefilled and others run, its chunks and decode steps
-        alternate."""
-        out = SchedulerOutput()
+        alternate. ``budgets``: what the pacer grants prompts this step (None: as the last step)."""
+        if budgets is not None:
+            self.free_split, self.prefill_budget, self.ride_budgets = budgets.free_split, budgets.prefill, budgets.ride
+        out = StepPlan()
         self.num_schedules += 1
         if not self.running:
             self.num_decode_steps = 0  # idle: restart the shared clock, so a lone sequence keeps full cycles
         self.last_prefill_keys = 0.0
         paced = bool(self.free_split and self.running and self.prefill_budget is not None)
-        # prompts ride along with a step the running rows' cycles take anyway, once a cycle, instead of taking steps of
-        # their own (the others waiting through them): with verified cycles running, a check pass; with only the
-        # unverified profile's rows running and waiting, a step where rows reach their heads (every layer group runs)
+        # prompts ride along with a step the running sequences' cycles take anyway, once a cycle, instead of taking
+        # steps of their own (the others waiting through them): with verified cycles running, a check pass; with only
+        # the unverified profile's sequences running and waiting, a step where some reach their heads (every layer
+        # group runs)
         kind = self._carrier_kind(paced)
         carrier = kind is not None and self._carries(kind)
         self.last_prefill_paced = paced and kind is None
@@ -167,12 +195,14 @@ class Scheduler(PrefillPlanning):
             out.decode = list(self.running)
             # a rider preempted for the decode's pages is queued again, its chunk not computed
             out.ride = [s for s in out.ride if s in self.prefilling]
+        out.prefill_keys, out.paced = self.last_prefill_keys, self.last_prefill_paced
+        out.preempted, self._preempted = self._preempted, []
         return out
 
     def _carrier_kind(self, paced: bool) -> str | None:
-        """The step kind prompt rows ride on while these rows run (:data:`~dmtd.engine.prefill_pacer.CARRIERS`), or
-        None (prefill steps of their own): "check" with exact rows running; "head" with only rows of the unverified
-        profile running and waiting (an exact prompt needs the verifying path, which only a check runs)."""
+        """The step kind prompt rows ride on while these sequences run (:data:`~dmtd.engine.prefill_pacer.CARRIERS`),
+        or None (prefill steps of their own): "check" with exact sequences running; "head" with only those of the
+        unverified profile running and waiting (an exact prompt needs the verifying path, which only a check runs)."""
         if not paced:
             return None
         if any(s.params.exact for s in self.running):
@@ -182,9 +212,9 @@ class Scheduler(PrefillPlanning):
         return "head"
 
     def _carries(self, kind: str) -> bool:
-        """Whether this step is a ``kind`` carrier: an exact row checks its drafts, or a row is at its head."""
+        """Whether this step is a ``kind`` carrier: an exact sequence checks its drafts, or one is at its head."""
         if kind == "check":
-            return any(s.params.exact and s.draft_done for s in self.running)
+            return any(s.checks_next for s in self.running)
         return any(s.next_is_head for s in self.running)
 
     def _reserve_decode(self) -> None:
@@ -200,16 +230,10 @@ class Scheduler(PrefillPlanning):
         (self.prefilling if seq in self.prefilling else self.running).remove(seq)
         self.kv.preempted(seq)
         seq.status = SequenceStatus.WAITING
-        seq.clear_drafts()
-        seq.num_preempted += 1
+        seq.counts.num_preempted += 1
         self.num_preempted += 1
         self.waiting.appendleft(seq)
         self._preempted.append(seq)
-
-    def take_preempted(self) -> list[Sequence]:
-        """The sequences preempted since the last call (the engine drops their drafts' bookkeeping)."""
-        out, self._preempted = self._preempted, []
-        return out
 
     def _admit(self, seq: Sequence) -> bool:
         """A cache row and KV pages for ``seq`` (its prompt's published chunks shared); False (back to the queue's
@@ -232,7 +256,8 @@ class Scheduler(PrefillPlanning):
         done = []
         for seq in seqs:
             if self.kv.prefilled(seq):  # back where it was preempted: decode on
-                seq.draft_done = seq.params.exact and seq.max_drafts(self.max_model_len) == 0
+                if self.on_resume is not None:
+                    self.on_resume(seq)
                 self.prefilling.remove(seq)
                 self.running.append(seq)
                 self.running.sort(key=lambda s: s.kv_row)
@@ -255,7 +280,7 @@ class Scheduler(PrefillPlanning):
         self.running.sort(key=lambda s: s.kv_row)
         return True
 
-    def postprocess(self, out: SchedulerOutput, tokens: list[int], confidences: list[float],
+    def postprocess(self, out: StepPlan, tokens: list[int], confidences: list[float],
                     eos_ids: set[int], advance_clock: bool = True) -> list[TokenEvent]:
         """Apply sampled tokens: advance phases, apply the confidence gate, close blocks, retire.
 
@@ -274,11 +299,10 @@ class Scheduler(PrefillPlanning):
             pos = seq.position
             if not out.is_prefill and pos != seq.next_head_pos and conf < seq.params.min_confidence:
                 seq.next_head_pos = pos  # redo this position as a head; its tail KV is overwritten then
-                seq.num_cycles_cut += 1
+                seq.counts.num_cycles_cut += 1
                 ev = TokenEvent(seq.req_id, -1, pos, False, conf)
-                if seq.block:
-                    ev.block, ev.block_confidences = seq.block, seq.block_confidences
-                    seq.block, seq.block_confidences = [], []
+                if seq.block.tokens:
+                    ev.block, ev.block_confidences = seq.block.take()
                 events.append(ev)
                 continue
             if out.is_prefill:
@@ -291,75 +315,53 @@ class Scheduler(PrefillPlanning):
                     seq.next_head_pos = self.dmtd.next_head(pos, seq.tau)
             if not (out.is_prefill or seq.params.exact):  # what a resume after a preemption replays
                 (seq.tail_positions.discard if is_head else seq.tail_positions.add)(pos)
-            if is_head and self.align_phases and len(self.running) > 1:  # alone, a row keeps full cycles
+            if is_head and self.align_phases and len(self.running) > 1:  # alone, a sequence keeps full cycles
                 seq.next_head_pos = pos + self._steps_to_aligned_head(step, seq.tau)
-            seq.num_heads += is_head
-            seq.num_tails += not is_head
+            seq.counts.num_heads += is_head
             seq.token_ids.append(tok)
-            seq.block.append(tok)
-            seq.block_confidences.append(conf)
+            seq.block.append(tok, conf)
             new_pos = seq.position
             if conf < seq.params.min_confidence and new_pos < seq.next_head_pos:
                 # an uncertain token (from a head: uncertain tails were dropped above) foretells an uncertain
                 # next tail, whose dropped pass would be wasted: make the next position a head instead
                 seq.next_head_pos = new_pos
-                seq.num_cycles_cut += 1
+                seq.counts.num_cycles_cut += 1
             ev = TokenEvent(seq.req_id, tok, pos, is_head, conf)
             reason = self._stop_reason(seq, tok, eos_ids)
             if reason is not None:
                 self.finish(seq, reason)
                 ev.finished, ev.finish_reason = True, reason
             if reason is not None or new_pos == seq.next_head_pos or seq.params.exact:  # exact: blocks close at checks
-                ev.block, ev.block_confidences = seq.block, seq.block_confidences
-                seq.block, seq.block_confidences = [], []
+                ev.block, ev.block_confidences = seq.block.take()
             events.append(ev)
         if not out.is_prefill and advance_clock:
             self.num_decode_steps += 1
         return events
 
-    def postprocess_drafts(self, seqs: list[Sequence], tokens: list[int], confidences: list[float],
-                           eos_ids: set[int]) -> None:
-        """Record one draft step of verified cycles; a row stops drafting at τ − 1 drafts, at a stop token,
-        or at a draft whose confidence is below ``min_confidence`` (the gate decides only how much to draft).
-        """
-        for seq, tok, conf in zip(seqs, tokens, confidences):
-            self.kv.drafted(seq)
-            seq.add_drafts([tok], TAILS)
-            if (seq.stops_at(tok, eos_ids) or conf < seq.params.min_confidence
-                    or len(seq.drafts) >= seq.max_drafts(self.max_model_len)):
-                seq.draft_done = True
-
     def postprocess_checked(self, seq: Sequence, tokens: list[int], num_accepted: int,
                             confidences: list[float], eos_ids: set[int]) -> list[TokenEvent]:
         """Apply one head's check (verified cycles): emit the accepted drafts and the verifier's token as
         one block, and roll back the rest — the rejected positions' KV is rewritten before it is read again.
-        A verifier token below ``min_confidence`` skips the next cycle's drafting (its head comes next).
+        (The drafts themselves are the verified-cycles component's: dmtd.engine.verified.)
         """
         head = seq.position + num_accepted  # the position whose verifier logits gave the last token
         self.kv.checked(seq, head)
-        seq.clear_drafts()  # the engine counts the cycle's drafts (dmtd.engine.draft_sources.DraftLedger)
         events = []
         for j, (tok, conf) in enumerate(zip(tokens, confidences)):
             is_head = j == len(tokens) - 1
-            seq.num_heads += is_head
-            seq.num_tails += not is_head
+            seq.counts.num_heads += is_head
             seq.token_ids.append(tok)
-            seq.block.append(tok)
-            seq.block_confidences.append(conf)
+            seq.block.append(tok, conf)
             ev = TokenEvent(seq.req_id, tok, seq.position - 1, is_head, conf)
             reason = self._stop_reason(seq, tok, eos_ids)
             if reason is not None:
                 self.finish(seq, reason)
                 ev.finished, ev.finish_reason = True, reason
             if reason is not None or is_head:
-                ev.block, ev.block_confidences = seq.block, seq.block_confidences
-                seq.block, seq.block_confidences = [], []
+                ev.block, ev.block_confidences = seq.block.take()
                 events.append(ev)
                 break
             events.append(ev)
-        # as in the gate: an uncertain verifier token foretells a rejected draft, so the next head comes at once
-        uncertain = confidences[len(events) - 1] < seq.params.min_confidence
-        seq.draft_done = seq.max_drafts(self.max_model_len) == 0 or uncertain
         return events
 
     @staticmethod
@@ -379,6 +381,7 @@ class Scheduler(PrefillPlanning):
         """Retire a sequence (finished, cancelled or failed) and free its cache row at once."""
         if seq.status is SequenceStatus.FINISHED:
             return
+        self.queued_at.pop(seq.seq_no, None)
         if seq.status is SequenceStatus.RUNNING:
             (self.prefilling if seq in self.prefilling else self.running).remove(seq)
             self.kv.release(seq)  # its published chunks stay cached

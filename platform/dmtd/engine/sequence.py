@@ -7,6 +7,11 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from dmtd.engine.draft_state import CONTEXT_NGRAMS, DraftState
+
+__all__ = ["CONTEXT_NGRAMS", "CycleBlock", "RequestError", "SamplingParams", "Sequence", "SequenceCounts",
+           "SequenceStatus"]
+
 
 class RequestError(ValueError):
     """A request breaks a rule; ``field`` names the offending request field."""
@@ -15,10 +20,6 @@ class RequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
 
-
-# context drafts match the context's last 3 or 2 tokens (on the demo's chat prompts, τ = 1 answers, up to 4 drafts:
-# 3 tokens matched 60 times in 735 tokens, 140 of 240 drafts right; 3 else 2: 90 matches, 169 of 360 right)
-CONTEXT_NGRAMS = (3, 2)
 
 MAX_TOP_LOGPROBS = 20
 TEMPERATURE_FLOOR = 1e-2  # below it logits / T overflow float32 (1e-37 gave garbage): such temperatures are greedy
@@ -88,12 +89,40 @@ _ids = itertools.count()
 
 
 @dataclass(slots=True)
+class CycleBlock:
+    """The tokens (and their confidences) of the cycle under way, emitted together when it closes."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+
+    def append(self, token: int, confidence: float) -> None:
+        self.tokens.append(token)
+        self.confidences.append(confidence)
+
+    def take(self) -> tuple[list[int], list[float]]:
+        """The block's tokens and confidences; the block starts empty again."""
+        out = self.tokens, self.confidences
+        self.tokens, self.confidences = [], []
+        return out
+
+
+@dataclass(slots=True)
+class SequenceCounts:
+    """What a sequence's steps did, counted (heads run, cycles cut short by the confidence gate, preemptions)."""
+
+    num_heads: int = 0
+    num_cycles_cut: int = 0
+    num_preempted: int = 0  # times its KV pages were taken back and it was queued to be prefilled again
+
+
+@dataclass(slots=True)
 class Sequence:
     """One request inside the engine.
 
     Positions: the token at index ``i`` sits at position ``i``. A step feeds the last token (position
     ``num_tokens - 1``); it is a head iff that position equals ``next_head_pos``. The thinking group
     holds KV for positions ``< num_think_cached``; the tail positions in between wait for refill.
+    Verified cycles keep their drafts in ``draft`` (:class:`~dmtd.engine.draft_state.DraftState`).
     """
 
     req_id: str
@@ -105,41 +134,19 @@ class Sequence:
     kv_row: int = -1  # its row of the KV cache's page table (dmtd.engine.kv_manager); -1: none
     num_think_cached: int = 0
     next_head_pos: int = 0
-    block: list[int] = field(default_factory=list)
-    block_confidences: list[float] = field(default_factory=list)
-    num_heads: int = 0
-    num_tails: int = 0
-    num_cycles_cut: int = 0
-    # verified cycles (``params.exact``): unchecked tail tokens, and the tail path's KV extent
-    drafts: list[int] = field(default_factory=list)
-    draft_done: bool = False  # the drafts await the next head's check
-    context_vocab: set[int] = field(default_factory=set)  # context ids outside the draft vocabulary (runner.draft)
-    context_vocab_seen: int = 0  # token_ids looked at for them so far
+    block: CycleBlock = field(default_factory=CycleBlock)
+    counts: SequenceCounts = field(default_factory=SequenceCounts)
     num_tail_cached: int = 0  # the tail path's decoding-group KV holds positions < this
     num_prefilled: int = 0  # prompt positions whose KV is in its pages (chunked prefill)
     prefill_end: int = 0  # the current prefill step computes positions num_prefilled .. prefill_end - 1
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache, not computed
     prefix_keys: list[bytes] = field(default_factory=list)  # the prompt's whole chunks' keys (prefix cache)
-    queued_at: int = 0  # the scheduler's schedule() count when it was admitted (its prefill order ages from it)
-    num_preempted: int = 0  # times its KV pages were taken back and it was queued to be prefilled again
     # after a preemption: the positions to compute again before it decodes on (all but the last token's, which the
     # next step feeds as it would have); 0: none (a fresh prompt is prefilled to its end)
     resume_len: int = 0
     # generated positions fed as tails (DMTD profile): a resume after a preemption routes them as tails again
     tail_positions: set[int] = field(default_factory=set)
-    num_drafted: int = 0
-    num_accepted: int = 0
-    draft_target: int | None = None  # this cycle's draft count chosen by the engine's policy (None: τ − 1)
-    drafted_by_pos: list[int] = field(default_factory=list)  # per tail position within a cycle
-    accepted_by_pos: list[int] = field(default_factory=list)
-    # the source of each of this cycle's drafts (dmtd.engine.draft_sources: the tails, prompt lookup, the phrase
-    # table, a grammar's forced tokens), one name per draft
-    draft_sources: list[str] = field(default_factory=list)
-    num_context_drafted: int = 0  # every draft not from the tails (prompt lookup, the phrase table, forced tokens)
-    num_context_accepted: int = 0
-    context_by_pos: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # source → (drafted, accepted)
-    ngram_ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram → index of its latest last token
-    ngram_indexed: int = 0  # the n-grams ending before this index are in ngram_ends
+    draft: DraftState = field(default_factory=DraftState)  # verified cycles: written by dmtd.engine.verified
     finish_reason: str | None = None
     error: str | None = None
     seq_no: int = field(default_factory=lambda: next(_ids))
@@ -161,6 +168,10 @@ class Sequence:
         return len(self.token_ids) - 1
 
     @property
+    def num_preempted(self) -> int:
+        return self.counts.num_preempted
+
+    @property
     def next_is_head(self) -> bool:
         return self.position == self.next_head_pos
 
@@ -172,20 +183,12 @@ class Sequence:
     @property
     def draft_position(self) -> int:
         """Position the next draft step feeds (verified cycles)."""
-        return len(self.token_ids) - 1 + len(self.drafts)
+        return len(self.token_ids) - 1 + len(self.draft.tokens)
 
-    def add_drafts(self, tokens: list[int], source: str) -> None:
-        """Append drafts proposed by ``source`` (dmtd.engine.draft_sources)."""
-        self.drafts += tokens
-        self.draft_sources += [source] * len(tokens)
-
-    def trim_drafts(self, m: int) -> None:
-        """Keep the first ``m`` drafts."""
-        del self.drafts[m:], self.draft_sources[m:]
-
-    def clear_drafts(self) -> None:
-        """A new cycle: no drafts yet, drafting not done."""
-        self.drafts, self.draft_sources, self.draft_done = [], [], False
+    @property
+    def checks_next(self) -> bool:
+        """Whether its next decode step is a verified cycle's check (its drafts are done)."""
+        return self.params.exact and self.draft.done
 
     def stops_at(self, tok: int, eos_ids: set[int]) -> bool:
         """Whether ``tok`` ends this request: one of its stop tokens, or an EOS id unless it ignores EOS."""
@@ -197,22 +200,14 @@ class Sequence:
         return max(0, min(self.tau - 1, left - 1, max_model_len - len(self.token_ids)))
 
     def max_drafts(self, max_model_len: int) -> int:
-        """Tail drafts worth making this cycle: :meth:`draft_room`, at most the policy's ``draft_target``."""
+        """Tail drafts worth making this cycle: :meth:`draft_room`, at most the policy's ``draft.target``."""
         room = self.draft_room(max_model_len)
-        return room if self.draft_target is None else min(room, self.draft_target)
+        return room if self.draft.target is None else min(room, self.draft.target)
 
     def context_continuation(self, k: int, n: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last ``n`` tokens (prompt
-        and answer so far; ``n`` in CONTEXT_NGRAMS), or none. The index grows with the context: O(1) a call."""
-        ids = self.token_ids
-        last = len(ids) - 1  # the n-grams ending before the last token: the suffix itself is not its own match
-        for e in range(self.ngram_indexed, last):
-            for m in CONTEXT_NGRAMS:
-                if e >= m - 1:
-                    self.ngram_ends[tuple(ids[e - m + 1: e + 1])] = e
-        self.ngram_indexed = max(self.ngram_indexed, last)
-        end = self.ngram_ends.get(tuple(ids[-n:])) if k > 0 and len(ids) >= n else None
-        return [] if end is None else ids[end + 1: end + 1 + k]
+        and answer so far; :meth:`DraftState.context_continuation`)."""
+        return self.draft.context_continuation(self.token_ids, k, n)
 
     @property
     def generated_ids(self) -> list[int]:

@@ -54,7 +54,7 @@ class VerifiedPasses(RunnerPart):
         kv_rows = [s.kv_row for s in seqs]
         last = [s.draft_position for s in seqs]
         counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
-        ids = torch.tensor([[s.drafts[-1] if s.drafts else s.token_ids[-1]] for s in seqs], device=dev)
+        ids = torch.tensor([[s.draft.tokens[-1] if s.draft.tokens else s.token_ids[-1]] for s in seqs], device=dev)
         if self._fused is not None and len(seqs) == 1:  # one sequence: its layers in one call each group
             s, q = seqs[0], last[0]
             x = self._draft_stack(m.embed_tokens(ids[0]).to(self.act_dtype), 0, d.thinking_start, s.kv_row, q)
@@ -90,9 +90,10 @@ class VerifiedPasses(RunnerPart):
             return logits
         extra: set[int] = set()
         for s in seqs:
-            s.context_vocab.update(t for t in s.token_ids[s.context_vocab_seen:] if t not in self._draft_id_set)
-            s.context_vocab_seen = len(s.token_ids)
-            extra |= s.context_vocab
+            st = s.draft
+            st.context_vocab.update(t for t in s.token_ids[st.context_vocab_seen:] if t not in self._draft_id_set)
+            st.context_vocab_seen = len(s.token_ids)
+            extra |= st.context_vocab
         if not extra:
             return logits
         key = tuple(sorted(extra)[:MAX_CONTEXT_IDS])
@@ -139,12 +140,12 @@ class VerifiedPasses(RunnerPart):
             return self._verify_with_prompts(seqs, prompts)
         m, d, dev = self.model, self.dmtd, self.device
         assert self.verify_kv is not None and self.cache.stash is not None
-        counts = [len(s.drafts) + 1 for s in seqs]
+        counts = [len(s.draft.tokens) + 1 for s in seqs]
         pos, valid = self._right_aligned([s.draft_position for s in seqs], counts)
         R = pos.shape[1]
         ids = torch.zeros(len(seqs), R, dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, R - counts[i]:] = torch.tensor([s.token_ids[-1], *s.drafts])
+            ids[i, R - counts[i]:] = torch.tensor([s.token_ids[-1], *s.draft.tokens])
         ctx = self._context([s.kv_row for s in seqs], pos, valid)
         h_enc = m.run_layers(m.embed_tokens(ids.to(dev)).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin,
                              self.kv, ctx, self.weights)
@@ -165,8 +166,8 @@ class VerifiedPasses(RunnerPart):
         m, d, dev = self.model, self.dmtd, self.device
         assert self.verify_kv is not None and self.cache.stash is not None
         self.cache.sync()
-        counts = [len(s.drafts) + 1 for s in seqs]
-        ids = [t for s in seqs for t in (s.token_ids[-1], *s.drafts)]
+        counts = [len(s.draft.tokens) + 1 for s in seqs]
+        ids = [t for s in seqs for t in (s.token_ids[-1], *s.draft.tokens)]
         pos_l = [p for s, c in zip(seqs, counts) for p in range(s.draft_position - c + 1, s.draft_position + 1)]
         kv_l = [s.kv_row for s, c in zip(seqs, counts) for _ in range(c)]
         nc = len(ids)

@@ -123,8 +123,8 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
         for o in outputs:
             seq = e.seqs.get(o.req_id)
             if seq is not None and (o.block or o.finished):
-                info[o.req_id] = SeqInfo(seq.params.min_confidence, seq.num_cycles_cut, seq.num_drafted,
-                                          seq.num_accepted, seq.params.exact, seq.num_cached_tokens)
+                info[o.req_id] = SeqInfo(seq.params.min_confidence, seq.counts.num_cycles_cut, seq.draft.num_drafted,
+                                          seq.draft.num_accepted, seq.params.exact, seq.num_cached_tokens)
         for o in outputs:
             if o.finished:
                 e.release(o.req_id)
