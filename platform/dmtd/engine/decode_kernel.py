@@ -74,7 +74,6 @@ def _decode_layers(
     B = h.shape[0]
     g = nh // nkv
     half = hd // 2
-    inter = gate_up[0].shape[0] // 2 if mode != 0 else down[0].shape[0]
     scale = hd ** -0.5
     cos3 = cos.unsqueeze(1)
     sin3 = sin.unsqueeze(1)
@@ -106,6 +105,7 @@ def _decode_layers(
                                  scale, row_loop).to(h.dtype)
         h = h + _lin(a, o[i], s_o, i, mode)
         gu = _lin(_rms(h, ln2[i], eps), gate_up[i], s_gu, i, mode)
+        inter = gu.shape[-1] // 2  # from the product: a packed weight's own shape is its format's (blocked bf16)
         h = h + _lin(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], s_down, i, mode)
     return h
 

@@ -75,9 +75,10 @@ class LLMEngine:
         self.forks = Forks()  # requests that share a waiting sibling's prefill
         self.timed = PassTimer()
         self.pass_stats = self.timed.stats  # kind -> [calls, seconds] of the model passes (benchmarks)
+        self.phrase_table = phrase_table if cfg.phrase_drafts else None  # the variant's, where its drafts are on
         # the exact profile's drafts: chosen, made, checked, counted
         self.cycles = VerifiedCycles(cfg, self.runner, self.scheduler, self.shaper, self.requests, self.timed,
-                                     phrase_table if cfg.phrase_drafts else None)
+                                     self.phrase_table)
         self.scheduler.on_resume = self.cycles.resumed
         self.executor = StepExecutor(self.runner, self.scheduler, self.cycles, self.requests, self.shaper, self.forks,
                                      self.pacer, self.timed)
