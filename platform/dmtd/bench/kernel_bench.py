@@ -170,9 +170,9 @@ def _plot(out: dict[str, Any], path: str) -> None:
     roof, shape = out["roofline"], out["shape"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     torch_drawn = False
-    for path, res in out["paths"].items():
+    for kernel_path, res in out["paths"].items():
         rs = [int(r) for r in res["rows"]]
-        ax.plot(rs, [v["layer_gflop_s"] for v in res["rows"].values()], "o-", label=f"dmtd {path}")
+        ax.plot(rs, [v["layer_gflop_s"] for v in res["rows"].values()], "o-", label=f"dmtd {kernel_path}")
         if not torch_drawn:
             ax.plot(rs, [v["layer_torch_gflop_s"] for v in res["rows"].values()], "k--", label="torch bf16 (oneDNN)")
             torch_drawn = True
