@@ -155,6 +155,9 @@ def test_vllm_serves_in_bf16_only_where_the_cpu_computes_in_bf16(tmp_path):
     assert va.vllm_dtype("auto") == va.vllm_dtype("auto", cpu_flags())  # this machine's own flags
     cmd = " ".join(va.serve_command(tmp_path, "/m", 1234, "smollm2", "float32"))
     assert cmd.endswith("serve /m --host 127.0.0.1 --port 1234 --dtype float32 --served-model-name smollm2")
+    # a shape without weights (dmtd shapes export) runs on both sides with vLLM's own spelling of the option
+    dummy = va.serve_command(tmp_path, "/m", 1234, "smollm2", "bfloat16", "dummy")
+    assert dummy[-2:] == ["--load-format", "dummy"]
     assert parse(["--against", "vllm"]).vllm_dtype == "auto"
 
 
@@ -185,7 +188,8 @@ def test_a_bad_against_value_exits_2_naming_the_option(capsys):
     (["--compare-engine"], "--compare-engine"), (["--rate", "2"], "--rate"),
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--vllm-configs", "fast"], "--vllm-configs"),
-    (["--vllm-configs", "bind,bind"], "--vllm-configs"), (["--vllm-configs", ","], "--vllm-configs")])
+    (["--vllm-configs", "bind,bind"], "--vllm-configs"), (["--vllm-configs", ","], "--vllm-configs"),
+    (["--load-format", "dummy"], "--load-format")])
 def test_refused_combinations_exit_2_before_starting_anything(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
         run_bench_serve(parse(["--against", "vllm", *argv]), "unused")

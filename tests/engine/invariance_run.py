@@ -7,6 +7,7 @@ on its own."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import sys
@@ -114,6 +115,32 @@ def companions(n: int, rng: random.Random) -> list[tuple[list[int], SamplingPara
     return out
 
 
+def second_turns(dtype: str) -> dict[str, Any]:
+    """Answers reused on this path: each conversation's turn 1 in the exact profile on an engine with the prefix
+    cache, then turn 2 (turn 1's prompt, its answer, a new message), which reads the published answer's pages; its
+    tokens against the base model's alone on an engine without any cache. Returns the diffs and the tokens turn 2
+    found cached."""
+    base = base_model(5, 0.05)
+    var, verifier = in_dtype(*variant_of(base, 0.02, 5), dtype)
+    dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, dtype=dtype)
+    e = LLMEngine(var, None, dmtd, cfg, default_tau=1, eos_token_ids=[], verifier=verifier)
+    plain = copy.deepcopy(base).to(getattr(torch, dtype))  # the base model itself: every layer, every token
+    ref = LLMEngine(plain, None, dmtd, replace(cfg, prefix_caching=False), default_tau=1, eos_token_ids=[])
+    diffs, cached = [], 0
+    for i, (n, tail) in enumerate([(40, 5), (23, 9), (57, 3)]):
+        turn1, extra = prompts_of([n], 100 + i)[0], prompts_of([tail], 200 + i)[0]
+        answer = e.generate([turn1], SamplingParams(max_new_tokens=30, tau=3, exact=True))[0].token_ids
+        turn2 = turn1 + answer + extra
+        before = e.scheduler.prefix.stats.cached_tokens
+        got = e.generate([turn2], SamplingParams(max_new_tokens=20, tau=3, exact=True))[0].token_ids
+        cached += e.scheduler.prefix.stats.cached_tokens - before
+        want = ref.generate([turn2], SamplingParams(max_new_tokens=20))[0].token_ids
+        if got != want:
+            diffs.append(f"{dtype} conversation {i}: turn 2 {got} != the base alone {want}")
+    return {"diffs": diffs, "cached_tokens": cached, "publishes": e.scheduler.kv.answers is not None}
+
+
 def main() -> None:
     lowbit.load_kernels()
     rng = random.Random(0)
@@ -151,7 +178,8 @@ def main() -> None:
                 elif len(rows) != len(alone_rows) or not all(torch.equal(a, b) for a, b in zip(rows, alone_rows)):
                     bad = next((i for i, (a, b) in enumerate(zip(rows, alone_rows)) if not torch.equal(a, b)), -1)
                     diffs.append(f"{what}: logits bits differ at generated position {bad}")
-    print(json.dumps({"path": lowbit.loaded_path(), "cases": cases, "diffs": diffs}))
+    turns = second_turns("bfloat16")
+    print(json.dumps({"path": lowbit.loaded_path(), "cases": cases, "diffs": diffs, "second_turns": turns}))
 
 
 if __name__ == "__main__":

@@ -30,3 +30,9 @@ def test_a_request_alone_and_among_companions_gets_the_same_tokens_and_logits_bi
     assert result["path"] == path  # the path asked for is the one that ran
     assert result["cases"] == 12
     assert result["diffs"] == []
+    # answers reused on this path: a second turn reads its first turn's published answer and still gets the base
+    # model's tokens (AMX publishes none: its prefill and decode products round differently)
+    turns = result["second_turns"]
+    assert turns["diffs"] == []
+    assert turns["publishes"] == (path != "amx")
+    assert (turns["cached_tokens"] > 0) == turns["publishes"]

@@ -70,6 +70,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="--against vllm: the precision vLLM serves in; auto: bfloat16 on a CPU with native bf16 "
                         "(avx512_bf16 or amx_bf16), float32 elsewhere, where vLLM's bf16 is emulated and slower")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="--against vllm: 'dummy' runs --model's config with seeded random weights on both sides (ours: "
+                        "dmtd serve --load-format dummy; vLLM: its --load-format dummy), a shape from `dmtd shapes "
+                        "export` (docs/shapes.md); use with --variant none")
     p.add_argument("--vllm-configs", default=",".join(CONFIGS), metavar="LIST",
                    help="--against vllm: how vLLM runs, one after another, ours compared with the best: default (its "
                         "defaults: all cores but one to its engine) and bind (every core bound to its engine, "

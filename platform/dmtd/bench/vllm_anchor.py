@@ -82,6 +82,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
             raise usage(f"--against runs the stack as `dmtd serve` does by default: drop --{opt.replace('_', '-')}")
     if args.rate > 0:
         raise usage("--against runs closed-loop concurrencies only: drop --rate")
+    if getattr(args, "load_format", "auto") == "dummy" and not args.model:
+        raise usage("--load-format dummy needs --model: a folder with a config.json (dmtd shapes export)")
     try:
         conc = [int(c) for c in args.concurrency.split(",") if c]
     except ValueError:
@@ -152,17 +154,19 @@ def vllm_dtype(choice: str, flags: set[str] | None = None) -> str:
     return "bfloat16" if set(NATIVE_BF16) & flags else "float32"
 
 
-def serve_command(venv: Path, model_dir: str, port: int, name: str, dtype: str) -> list[str]:
+def serve_command(venv: Path, model_dir: str, port: int, name: str, dtype: str, load_format: str = "auto"
+                  ) -> list[str]:
     """``vllm serve`` in ``dtype``, its defaults otherwise, on 127.0.0.1:port."""
     return [str(venv / "bin" / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--served-model-name", name]
+            "--dtype", dtype, "--served-model-name", name, *(["--load-format", load_format]
+                                                             if load_format != "auto" else [])]
 
 
 def start_vllm(venv: Path, model_dir: str, port: int, name: str, log: Path, dtype: str = "bfloat16",
-               config: str = "default", timeout_s: float = 900.0) -> subprocess.Popen:
+               config: str = "default", timeout_s: float = 900.0, load_format: str = "auto") -> subprocess.Popen:
     """``vllm serve`` (``serve_command``) in ``config``'s environment, in its own session; returns once /health
     answers."""
-    cmd = serve_command(venv, model_dir, port, name, dtype)
+    cmd = serve_command(venv, model_dir, port, name, dtype, load_format)
     env = vllm_env(config)
     print(f"$ VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND', '(default)')} " + " ".join(cmd),
           flush=True)
@@ -280,6 +284,11 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     from dmtd.variants.smollm2 import smollm2_dir
 
     model_dir = str(args.model or smollm2_dir())
+    load_format = getattr(args, "load_format", "auto")
+    if load_format != "auto":  # our stack's replicas read it from the environment, as `dmtd serve --load-format`
+        from dmtd.variants.loader import LOAD_FORMAT_ENV
+
+        os.environ[LOAD_FORMAT_ENV] = load_format
     isolate_network()  # every server and the client on loopback, in a namespace of this process's own
     workdir = Path(tempfile.mkdtemp(prefix="dmtd-vs-vllm-"))
     plan = workloads(conc, args.requests_per_worker, args.max_new_tokens, write_dataset(workdir / "chats.jsonl"))
@@ -297,7 +306,8 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     try:
         for c in configs:
             port = free_port()
-            proc = start_vllm(venv, model_dir, port, "smollm2", workdir / f"vllm-serve-{c}.log", dtype, c)
+            proc = start_vllm(venv, model_dir, port, "smollm2", workdir / f"vllm-serve-{c}.log", dtype, c,
+                              load_format=load_format)
             try:
                 # each workload on vLLM then on ours right after: on a shared machine, a drift of its speed falls
                 # between workloads rather than between the two sides of one row
@@ -309,7 +319,7 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
     finally:
         stop_stack()
     rows = make_rows(results, plan)
-    result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir,
+    result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir, "load_format": load_format,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve (openai-chat on "
               "/v1/chat/completions; the two-turn workload's turns openai on /v1/completions)",
               "vllm_serve": {"dtype": dtype, "configs": {c: {k: v for k, v in vllm_env(c).items()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dmtd.engine.lowbit import kernels_loaded
 from dmtd.engine.sequence import SamplingParams
 
 _NUCLEUS_PROBE = 1024  # candidates ranked by topk before resorting to a full sort for top-p
@@ -17,9 +18,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     untempered distribution) and, per row, whether the logits were finite.
     """
     logits = logits.float()
-    greedy_tok = logits.argmax(dim=-1)
     # softmax turns any NaN / +inf / all -inf row into NaN, so its max doubles as the finiteness check
-    conf = torch.softmax(logits, dim=-1).amax(dim=-1)
+    if logits.device.type == "cpu" and kernels_loaded():  # one pass over the logits (torch: argmax, then softmax)
+        greedy_tok, conf = torch.ops.dmtd.top1(logits)
+    else:
+        greedy_tok, conf = logits.argmax(dim=-1), torch.softmax(logits, dim=-1).amax(dim=-1)
     finite = torch.isfinite(conf)
     conf = conf.nan_to_num(0.0)
     tokens = greedy_tok.tolist()
