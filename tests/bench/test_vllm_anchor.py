@@ -189,7 +189,8 @@ def test_a_bad_against_value_exits_2_naming_the_option(capsys):
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--vllm-configs", "fast"], "--vllm-configs"),
     (["--vllm-configs", "bind,bind"], "--vllm-configs"), (["--vllm-configs", ","], "--vllm-configs"),
-    (["--load-format", "dummy"], "--load-format")])
+    (["--load-format", "dummy"], "--load-format"), (["--vllm-workloads", "chat,bogus"], "--vllm-workloads"),
+    (["--vllm-workloads", ","], "--vllm-workloads")])
 def test_refused_combinations_exit_2_before_starting_anything(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
         run_bench_serve(parse(["--against", "vllm", *argv]), "unused")

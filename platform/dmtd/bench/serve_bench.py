@@ -70,6 +70,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="--against vllm: the precision vLLM serves in; auto: bfloat16 on a CPU with native bf16 "
                         "(avx512_bf16 or amx_bf16), float32 elsewhere, where vLLM's bf16 is emulated and slower")
+    p.add_argument("--vllm-workloads", default="chat,prefix,two-turn", metavar="LIST",
+                   help="--against vllm: which workloads run (chat at each --concurrency; prefix: shared 1,024-token "
+                        "prefixes; two-turn: conversations whose second turn carries the first answer)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="--against vllm: 'dummy' runs --model's config with seeded random weights on both sides (ours: "
                         "dmtd serve --load-format dummy; vLLM: its --load-format dummy), a shape from `dmtd shapes "

@@ -51,6 +51,7 @@ from dmtd.bench.vllm_workloads import (
 )
 
 AGAINST = ("vllm",)
+WORKLOADS = ("chat", "prefix", "two-turn")  # --vllm-workloads
 CONFIGS = ("default", "bind")  # how vLLM runs: its defaults; every core bound to its engine
 KVCACHE_GIB = "4"  # VLLM_CPU_KVCACHE_SPACE: fits a 24 GiB machine beside our stack's idle processes
 DETAIL_DROPPED = ("generated_texts", "itls", "errors")
@@ -97,6 +98,10 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     if bad or not configs or len(set(configs)) < len(configs):
         raise usage(f"--vllm-configs: {getattr(args, 'vllm_configs', '')!r} must name each of "
                     f"{', '.join(CONFIGS)} at most once, at least one")
+    chosen = [w for w in getattr(args, "vllm_workloads", ",".join(WORKLOADS)).split(",") if w]
+    if not chosen or any(w not in WORKLOADS for w in chosen) or len(set(chosen)) < len(chosen):
+        raise usage(f"--vllm-workloads: {getattr(args, 'vllm_workloads', '')!r} must name each of "
+                    f"{', '.join(WORKLOADS)} at most once, at least one")
     return conc, configs
 
 
@@ -291,7 +296,9 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
         os.environ[LOAD_FORMAT_ENV] = load_format
     isolate_network()  # every server and the client on loopback, in a namespace of this process's own
     workdir = Path(tempfile.mkdtemp(prefix="dmtd-vs-vllm-"))
-    plan = workloads(conc, args.requests_per_worker, args.max_new_tokens, write_dataset(workdir / "chats.jsonl"))
+    chosen = getattr(args, "vllm_workloads", ",".join(WORKLOADS)).split(",")
+    plan = workloads(conc if "chat" in chosen else [], args.requests_per_worker, args.max_new_tokens,
+                     write_dataset(workdir / "chats.jsonl"), prefix="prefix" in chosen, two_turn="two-turn" in chosen)
     render, firsts = chat_template(model_dir), first_turns(TWO_TURN["conversations"])
     dtype = vllm_dtype(args.vllm_dtype)
     print(f"vllm serve in {dtype} (--vllm-dtype {args.vllm_dtype}), configurations {', '.join(configs)}", flush=True)
