@@ -169,29 +169,13 @@ def gcs_fault_tolerance(t: Target) -> Body | None:
     return options
 
 
-def ready_probe_script(gateway_port: int, tls: bool, raylet_port: int = r.RAYLET_HEALTH_PORT,
-                       gcs_port: int | None = r.DASHBOARD_PORT) -> str:
-    """An ingress pod's readiness check (python3, in the serving image): ready when the gateway's ``/healthz`` says
-    200 (warm: dmtd.serve.readiness); not ready while it says 503 (warming, draining); while nothing listens on its
-    port yet (before KubeRay submitted the Serve config, which it does only once the cluster is Ready) the Ray
-    node's own health decides, as KubeRay's default probe does (and the GCS's on ``gcs_port``, where given): a
-    gateway probe alone would never let the cluster become Ready."""
-    scheme = "https" if tls else "http"
-    gcs = f" and get('http://127.0.0.1:{gcs_port}/api/gcs_healthz')==200" if gcs_port is not None else ""
-    return (
-        "import ssl,sys,urllib.request as u\n"
-        "c=ssl._create_unverified_context()\n"
-        "def get(url):\n"
-        " try:\n"
-        "  return u.urlopen(url,timeout=2,context=c).status\n"
-        " except u.HTTPError as e:\n"
-        "  return e.code\n"
-        " except OSError:\n"
-        "  return None\n"
-        f"g=get('{scheme}://127.0.0.1:{gateway_port}/healthz')\n"
-        f"ok=g==200 or g is None and get('http://127.0.0.1:{raylet_port}/api/local_raylet_healthz')==200{gcs}\n"
-        "sys.exit(0 if ok else 1)\n"
-    )
+def ingress_probe(tls: bool) -> Body:
+    """An ingress pod's readiness: its gateway's ``/healthz`` says 200, i.e. warm (dmtd.serve.readiness); 503 while
+    warming or draining, nothing listening before KubeRay submitted the Serve config: not ready either way, so the
+    gateway Service sends no client to a pod that cannot serve yet (KubeRay waits for the head pod only, which keeps
+    its own default probe, before it submits)."""
+    return {"httpGet": {"path": "/healthz", "port": r.GATEWAY_HTTP_PORT, "scheme": "HTTPS" if tls else "HTTP"},
+            "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 1, "successThreshold": 1}
 
 
 def _env(t: Target, name: str) -> list[Body]:
@@ -255,11 +239,7 @@ def ray_service(t: Target) -> Body:
     labels = r.child_labels(t.name, "serving")
     head = _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)
     ingress = _container(t, "ray-ingress", s.serving.ingress_cpu, s.serving.ingress_memory, 0)
-    ingress["readinessProbe"] = {
-        "exec": {"command": ["python3", "-c", ready_probe_script(r.GATEWAY_HTTP_PORT, bool(s.serving.tls_secret),
-                                                                 gcs_port=None)]},
-        "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1, "successThreshold": 1,
-    }
+    ingress["readinessProbe"] = ingress_probe(bool(s.serving.tls_secret))
     cluster: Body = {
         "rayVersion": s.serving.ray_version,
         "enableInTreeAutoscaling": True,

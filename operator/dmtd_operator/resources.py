@@ -31,10 +31,6 @@ INGRESS_GROUP = "ingress"
 """The RayCluster worker group of the ingress pods (KubeRay labels them ``ray.io/group: ingress``)."""
 SERVE_HTTP_PORT = 8000
 METRICS_PORT = 9464
-DASHBOARD_PORT = 8265
-"""Ray's dashboard on the head (``/api/gcs_healthz``), as KubeRay's own probes ask it."""
-RAYLET_HEALTH_PORT = 52365
-"""The dashboard agent of every Ray node (``/api/local_raylet_healthz``), as KubeRay's own probes ask it."""
 """Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""
 
 LABEL_PART_OF = "app.kubernetes.io/part-of"

@@ -227,7 +227,12 @@ class RayCluster:
             time.sleep(1)
 
     def submit(self, serve_config: dict[str, Any]) -> None:
-        """What KubeRay's RayService controller does with serveConfigV2: PUT it to the head's dashboard."""
+        """What KubeRay's RayService controller does with serveConfigV2: PUT it to the head's dashboard, through
+        the head Service. While the head pod is gone that Service has no endpoint, and kube-proxy rejects the
+        connection at once (here the address would just not answer until the client's timeout)."""
+        if not self.head.running():
+            raise ConnectionRefusedError(f"the head Service has no endpoint ({self.head.spec.name} is not running): "
+                                         f"PUT {self.dashboard}/api/serve/applications/ refused")
         status, body = http_json("PUT", f"{self.dashboard}/api/serve/applications/", serve_config, timeout=60)
         if status != 200:
             raise RuntimeError(f"the dashboard refused the serve config: {status} {body}")

@@ -61,7 +61,7 @@ def test_head_killed_under_load_fails_no_request_through_the_ingress_pods(cluste
     before = processes(cluster)
     config_before = cluster.serve_details()["applications"]["dmtd"]["deployed_app_config"]
     with RegistryClient(registry.url) as reg:
-        registry_before = sorted((e.model_dump_json() for e in reg.list()))
+        registry_before = sorted(e.model_dump_json() for e in reg.list())
     # the operator's next decision, tau 4 -> 3 (a user_config change, applied in place by Serve's reconfigure)
     decision = kuberay.serve_config(render.ray_service(render_target(registry.url, replicas=replicas, tau_max=3)))
     marks: dict[str, float] = {}
@@ -89,11 +89,12 @@ def test_head_killed_under_load_fails_no_request_through_the_ingress_pods(cluste
               for g, res in by_entry.items()}
     outage = {g: [r for r in res if r.started >= marks["kill"] and r.ended <= marks["back"]]
               for g, res in by_entry.items()}
-    print(f"head loss: down {marks['back'] - marks['kill']:.1f} s (new head ready {marks['back'] - marks['restart']:.1f}"
-          f" s after its start; all nodes alive +{marks['nodes'] - marks['back']:.1f} s, Serve's app RUNNING "
-          f"+{marks['serve'] - marks['back']:.1f} s); requests by entry: "
-          f"{ {g: (len(res), len(outage[g]), len(failed[g])) for g, res in by_entry.items()} } (all, within the "
-          f"outage, failed); decision during the outage: {during}; after: {after[0]:.2f} s")
+    counts = {g: (len(res), len(outage[g]), len(failed[g])) for g, res in by_entry.items()}
+    print(f"head loss: down {marks['back'] - marks['kill']:.1f} s (new head ready "
+          f"{marks['back'] - marks['restart']:.1f} s after its start; all nodes alive "
+          f"+{marks['nodes'] - marks['back']:.1f} s, Serve's app RUNNING +{marks['serve'] - marks['back']:.1f} s); "
+          f"requests by entry (all, within the outage, failed): {counts}; the decision during the outage: {during}; "
+          f"after: {after[0]:.2f} s")
     assert all(f == [] for f in failed.values()), failed
     assert all(len(res) >= 10 and outage[g] for g, res in by_entry.items()), {g: len(r) for g, r in outage.items()}
     assert processes(cluster) == before  # the same replica and gateway processes, on the same nodes

@@ -242,7 +242,7 @@ def test_gcs_fault_tolerance_reaches_the_rayservice_from_the_charts_redis_or_its
     assert "readinessProbe" not in head  # KubeRay's own: the gateways are on the ingress pods
     (ingress,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == r.INGRESS_GROUP]
     probe = ingress["template"]["spec"]["containers"][0]["readinessProbe"]
-    assert probe["exec"]["command"][:2] == ["python3", "-c"] and "/healthz" in probe["exec"]["command"][2]
+    assert probe["httpGet"] == {"path": "/healthz", "port": r.GATEWAY_HTTP_PORT, "scheme": "HTTP"}  # warm, not up
 
     own = {**cr["spec"], "serving": {**cr["spec"]["serving"], "gcsFaultTolerance": {
         "redisAddress": "gcs-redis.infra.svc:6380", "redisPasswordSecret": {"name": "gcs-redis", "key": "password"},
