@@ -115,8 +115,9 @@ def serve_config(t: Target) -> Body:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": r.SERVE_HTTP_PORT, **http_tls},
-        # gRPC is served by the Gateway deployment's own grpc.aio server (docs/architecture.md), pinned to
-        # the head pod through a custom resource so the gateway Service can target it.
+        # gRPC is served by the Gateway deployment's own grpc.aio server (docs/architecture.md): one replica on
+        # each ingress pod (a custom resource only they offer), never on the head, so that clients keep being
+        # served while the head (GCS, Serve's controller) is down; the gateway Service targets the ingress pods.
         "applications": [
             {
                 "name": r.SERVE_APP_NAME,
@@ -132,8 +133,8 @@ def serve_config(t: Target) -> Body:
                     },
                     {
                         "name": r.GATEWAY_DEPLOYMENT,
-                        "num_replicas": 1,
-                        # no CPU: the head offers none (below), so no replica lands beside the gateway
+                        "num_replicas": s.serving.ingress_replicas,
+                        # no CPU: the ingress pods offer none (below), so no engine replica lands beside a gateway
                         "ray_actor_options": {"num_cpus": 0, "resources": {r.GATEWAY_RESOURCE: 1}},
                     },
                 ],
@@ -168,31 +169,17 @@ def gcs_fault_tolerance(t: Target) -> Body | None:
     return options
 
 
-def ready_probe_script(gateway_port: int, tls: bool, raylet_port: int = r.RAYLET_HEALTH_PORT,
-                       gcs_port: int = r.DASHBOARD_PORT) -> str:
-    """The head's readiness check (python3, in the serving image): ready when the gateway's ``/healthz`` says 200
-    (warm: dmtd.serve.readiness); not ready while it says 503 (warming, draining); while nothing listens on its port
-    yet (before KubeRay submitted the Serve config, which it does only once the head is Ready) the Ray node's own
-    health decides, as KubeRay's default probe does: a gateway probe alone would never let the head become Ready."""
-    scheme = "https" if tls else "http"
-    return (
-        "import ssl,sys,urllib.request as u\n"
-        "c=ssl._create_unverified_context()\n"
-        "def get(url):\n"
-        " try:\n"
-        "  return u.urlopen(url,timeout=2,context=c).status\n"
-        " except u.HTTPError as e:\n"
-        "  return e.code\n"
-        " except OSError:\n"
-        "  return None\n"
-        f"g=get('{scheme}://127.0.0.1:{gateway_port}/healthz')\n"
-        f"ok=g==200 or g is None and get('http://127.0.0.1:{raylet_port}/api/local_raylet_healthz')==200 "
-        f"and get('http://127.0.0.1:{gcs_port}/api/gcs_healthz')==200\n"
-        "sys.exit(0 if ok else 1)\n"
-    )
+def ingress_probe(tls: bool) -> Body:
+    """An ingress pod's readiness: its gateway's ``/healthz`` says 200, i.e. warm (dmtd.serve.readiness); 503 while
+    warming or draining, nothing listening before KubeRay submitted the Serve config: not ready either way, so the
+    gateway Service sends no client to a pod that cannot serve yet (KubeRay waits for the head pod only, which keeps
+    its own default probe, before it submits)."""
+    return {"httpGet": {"path": "/healthz", "port": r.GATEWAY_HTTP_PORT, "scheme": "HTTPS" if tls else "HTTP"},
+            "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 1, "successThreshold": 1}
 
 
-def _env(t: Target, worker: bool) -> list[Body]:
+def _env(t: Target, name: str) -> list[Body]:
+    worker = name != "ray-head"
     env: list[Body] = [
         {"name": "DMTD_DEPLOYMENT", "value": t.name},
         {"name": "DMTD_REGISTRY_URL", "value": t.registry_url},
@@ -203,7 +190,7 @@ def _env(t: Target, worker: bool) -> list[Body]:
     env.append({"name": "RAY_SERVE_KV_TIMEOUT_S", "value": f"{ft.serve_kv_timeout_s:g}"})
     if worker and ft.enabled:  # workers outwait the head's restart (KubeRay's own default with GCS FT: 600)
         env.append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": str(ft.worker_reconnect_timeout_s)})
-    if worker:  # a replica's torch threads: its pod's CPUs, not every core of the node (os.cpu_count())
+    if name == "ray-worker":  # a replica's torch threads: its pod's CPUs, not every core of the node (os.cpu_count())
         env.append({"name": "DMTD_TORCH_THREADS", "value": str(worker_cpus(t.spec))})
     ref = t.spec.serving.api_keys_secret
     if ref is not None:  # read by the gateway (dmtd.serve.auth); the keys never enter the Serve config
@@ -229,7 +216,7 @@ def _container(t: Target, name: str, cpu: str, memory: str, gpus: int) -> Body:
     return {
         "name": name,
         "image": t.spec.serving.image,
-        "env": _env(t, name == "ray-worker"),
+        "env": _env(t, name),
         "ports": [
             {"name": "serve", "containerPort": r.SERVE_HTTP_PORT},
             {"name": "grpc", "containerPort": r.GATEWAY_GRPC_PORT},
@@ -251,10 +238,8 @@ def ray_service(t: Target) -> Body:
             worker_pod["nodeSelector"] = {"nvidia.com/gpu.product": s.resources.gpu_type}
     labels = r.child_labels(t.name, "serving")
     head = _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)
-    head["readinessProbe"] = {
-        "exec": {"command": ["python3", "-c", ready_probe_script(r.GATEWAY_HTTP_PORT, bool(s.serving.tls_secret))]},
-        "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1, "successThreshold": 1,
-    }
+    ingress = _container(t, "ray-ingress", s.serving.ingress_cpu, s.serving.ingress_memory, 0)
+    ingress["readinessProbe"] = ingress_probe(bool(s.serving.tls_secret))
     cluster: Body = {
         "rayVersion": s.serving.ray_version,
         "enableInTreeAutoscaling": True,
@@ -273,13 +258,8 @@ def ray_service(t: Target) -> Body:
                 "headGroupSpec": {
                     # KubeRay takes num-cpus from the container's CPU *limit* only; the pods set requests, so
                     # without these Ray would offer every core of the node. The head offers none: it runs the
-                    # gateway, Serve's controller and proxy (num_cpus 0), never a replica.
-                    "rayStartParams": {
-                        "num-cpus": "0",
-                        "num-gpus": "0",
-                        "dashboard-host": "0.0.0.0",
-                        "resources": json.dumps(json.dumps({r.GATEWAY_RESOURCE: 1})),
-                    },
+                    # GCS, Serve's controller and proxy (num_cpus 0), never a replica nor a gateway.
+                    "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
                     "template": {
                         "metadata": {"labels": labels},
                         "spec": _pod(t, head),
@@ -292,7 +272,20 @@ def ray_service(t: Target) -> Body:
                         "maxReplicas": s.replicas.max,
                         "rayStartParams": {"num-cpus": str(worker_cpus(s))},
                         "template": {"metadata": {"labels": labels}, "spec": worker_pod},
-                    }
+                    },
+                    {
+                        # the gateways, one a pod (the custom resource), and nothing else: no CPU nor GPU offered
+                        "groupName": r.INGRESS_GROUP,
+                        "replicas": s.serving.ingress_replicas,
+                        "minReplicas": s.serving.ingress_replicas,
+                        "maxReplicas": s.serving.ingress_replicas,
+                        "rayStartParams": {
+                            "num-cpus": "0",
+                            "num-gpus": "0",
+                            "resources": json.dumps(json.dumps({r.GATEWAY_RESOURCE: 1})),
+                        },
+                        "template": {"metadata": {"labels": labels}, "spec": _pod(t, ingress)},
+                    },
                 ],
             },
         },
@@ -300,14 +293,14 @@ def ray_service(t: Target) -> Body:
 
 
 def gateway_service(t: Target) -> Body:
-    """ClusterIP Service on the head pod: the Gateway deployment's gRPC server and Serve's HTTP proxy there."""
+    """ClusterIP Service on the ingress pods: the Gateway deployment's gRPC and HTTP servers there."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(t, r.gateway_service_name(t.name), "gateway"),
         "spec": {
             "type": "ClusterIP",
-            "selector": {r.LABEL_INSTANCE: t.name, "ray.io/node-type": "head"},
+            "selector": {r.LABEL_INSTANCE: t.name, "ray.io/group": r.INGRESS_GROUP},
             "ports": [
                 {
                     "name": "grpc",

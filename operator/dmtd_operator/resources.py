@@ -26,13 +26,11 @@ GATEWAY_GRPC_PORT = 9000
 GATEWAY_HTTP_PORT = 8001
 """The Gateway deployment's own HTTP server (the OpenAI API, the dashboard); Serve's proxy keeps SERVE_HTTP_PORT."""
 GATEWAY_RESOURCE = "dmtd-gateway"
-"""Custom Ray resource only the head pod offers: pins the Gateway deployment there."""
+"""Custom Ray resource only the ingress pods offer (one each): one Gateway replica per ingress pod, none elsewhere."""
+INGRESS_GROUP = "ingress"
+"""The RayCluster worker group of the ingress pods (KubeRay labels them ``ray.io/group: ingress``)."""
 SERVE_HTTP_PORT = 8000
 METRICS_PORT = 9464
-DASHBOARD_PORT = 8265
-"""Ray's dashboard on the head (``/api/gcs_healthz``), as KubeRay's own probes ask it."""
-RAYLET_HEALTH_PORT = 52365
-"""The dashboard agent of every Ray node (``/api/local_raylet_healthz``), as KubeRay's own probes ask it."""
 """Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""
 
 LABEL_PART_OF = "app.kubernetes.io/part-of"

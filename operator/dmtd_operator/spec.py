@@ -263,8 +263,16 @@ class Serving(_Model):
     )
     route_prefix: str = Field(default="/", description="Serve route prefix of the gateway on Serve's proxy (port "
                               "8000); the gateway's own HTTP server, which the gateway Service targets, serves at /.")
-    head_cpu: str = Field(default="2", description="CPU request of the Ray head pod (runs the gateway).")
+    head_cpu: str = Field(default="2", description="CPU request of the Ray head pod (GCS, Serve's controller).")
     head_memory: str = Field(default="8Gi", description="Memory of the Ray head pod.")
+    ingress_replicas: int = Field(
+        default=2, ge=1, le=16,
+        description="Ingress pods: Ray worker pods of their own (group `ingress`) that run the gateway (gRPC, "
+        "OpenAI HTTP), one each, and that the gateway Service targets; clients keep being served while the head "
+        "is down or restarting.",
+    )
+    ingress_cpu: str = Field(default="1", description="CPU request of one ingress pod.")
+    ingress_memory: str = Field(default="2Gi", description="Memory of one ingress pod.")
     worker_cpu: str = Field(default="4", description="CPU request of one replica's worker pod.")
     worker_memory: str = Field(default="32Gi", description="Memory of one replica's worker pod.")
     api_keys_secret: SecretKeyRef | None = Field(

@@ -112,11 +112,15 @@ class AsyncDMTDClient:
     """
 
     def __init__(self, target: str, timeout_s: float | None = None, api_key: str | None = None,
-                 root_certificates: bytes | None = None) -> None:
+                 root_certificates: bytes | None = None,
+                 options: Sequence[tuple[str, Any]] | None = None) -> None:
+        """``options``: gRPC channel arguments, e.g. a ``grpc.service_config`` that balances over several gateways
+        (``ipv4:A:9000,B:9000``, round_robin) and retries a call refused by a draining one."""
         if root_certificates is not None:
-            self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+            self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates),
+                                                   options=options)
         else:
-            self.channel = grpc.aio.insecure_channel(target)
+            self.channel = grpc.aio.insecure_channel(target, options=options)
         self.stub = pb_grpc.GenerateServiceStub(self.channel)
         self.timeout_s = timeout_s
         key = api_key if api_key is not None else os.environ.get("DMTD_API_KEY")

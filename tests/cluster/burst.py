@@ -108,7 +108,7 @@ async def run_burst(cluster: RayCluster, plan: BurstPlan, spec: DMTDDeploymentSp
                     registry_url: str, name: str, namespace: str, start: tuple[int, int]) -> BurstRun:
     """Drive the trace (Poisson arrivals at each second's rate) while the operator's loop runs every interval."""
     run = BurstRun(provisioned=[(0.0, start[0])], wall_start=time.time())
-    target = f"{cluster.head.ip}:9000"
+    target = cluster.gateway
     t0 = time.monotonic()
     done = asyncio.Event()
     source = PrometheusMetricsSource(prometheus_url)

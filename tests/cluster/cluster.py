@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from dmtd_operator.resources import GATEWAY_GRPC_PORT, INGRESS_GROUP
 from tests.cluster import kuberay
 from tests.images.podman import PODMAN
 
@@ -133,7 +134,10 @@ class RayNode:
 
 @dataclass
 class RayCluster:
-    """The head and ``num_workers`` workers of a RayService, started as KubeRay would, and its Serve REST API."""
+    """The head, ``num_workers`` workers of the replica group and the ingress group's pods (as many as the rendered
+    group's ``minReplicas``) of a RayService, started as KubeRay would, and its Serve REST API. Each pod's env is
+    the rendered container's plus KubeRay's, GCS fault tolerance included (kuberay.gcs_fault_tolerance_env, from
+    the rendered ``gcsFaultToleranceOptions``)."""
 
     ray_service: dict[str, Any]
     network: PodNetwork
@@ -141,31 +145,59 @@ class RayCluster:
     prefix: str = "dmtd"
     head: RayNode = field(init=False)
     workers: list[RayNode] = field(default_factory=list)
+    ingress: list[RayNode] = field(default_factory=list)
     start_s: float = 0.0  # nodes started until all ready
     deploy_s: float = 0.0  # serve config submitted until the app runs
 
     def __post_init__(self) -> None:
         head_ip = self.network.address(10)
-        spec = kuberay.node_spec(self.ray_service, "head", f"{self.prefix}-head", head_ip)
+        uid = f"{self.prefix}-raycluster"  # the RayCluster's UID: the GCS's key prefix in Redis, kept over restarts
+        spec = kuberay.node_spec(self.ray_service, "head", f"{self.prefix}-head", head_ip, storage_namespace=uid)
         self.head = RayNode(spec, self.network, head_ip, spec.cpu)
         for i in range(self.num_workers):
             ip = self.network.address(20 + i)
             wspec = kuberay.node_spec(self.ray_service, "worker", f"{self.prefix}-worker-{i}", head_ip)
             self.workers.append(RayNode(wspec, self.network, ip, wspec.cpu))
+        group = kuberay.worker_group(self.ray_service, INGRESS_GROUP)
+        for i in range(int(group["minReplicas"])):
+            ispec = kuberay.node_spec(self.ray_service, "worker", f"{self.prefix}-ingress-{i}", head_ip,
+                                      group_name=INGRESS_GROUP)
+            self.ingress.append(RayNode(ispec, self.network, self.network.address(40 + i), ispec.cpu))
 
     @property
     def dashboard(self) -> str:
         return f"http://{self.head.ip}:{kuberay.DASHBOARD_PORT}"
+
+    @property
+    def nodes(self) -> list[RayNode]:
+        return [self.head, *self.workers, *self.ingress]
+
+    def gateways(self) -> list[str]:
+        """``host:port`` of the gateway (gRPC) on each ingress pod, as the gateway Service's endpoints."""
+        return [f"{n.ip}:{GATEWAY_GRPC_PORT}" for n in self.ingress]
+
+    @property
+    def gateway(self) -> str:
+        """The first ingress pod's gateway: where single-entry tests send their requests."""
+        return self.gateways()[0]
 
     def start(self, timeout_s: float = 240) -> float:
         """Head first, then the workers (KubeRay's workers wait for the head's GCS); seconds until all are ready."""
         t0 = time.monotonic()
         self.head.start()
         self.wait_ready([self.head], timeout_s)
-        for w in self.workers:
+        for w in [*self.workers, *self.ingress]:
             w.start()
-        self.wait_ready(self.workers, timeout_s - (time.monotonic() - t0))
-        self.wait_nodes(1 + len(self.workers), timeout_s - (time.monotonic() - t0))
+        self.wait_ready([*self.workers, *self.ingress], timeout_s - (time.monotonic() - t0))
+        self.wait_nodes(len(self.nodes), timeout_s - (time.monotonic() - t0))
+        return time.monotonic() - t0
+
+    def restart_head(self, timeout_s: float = 180) -> float:
+        """The head pod comes back as KubeRay brings it back: a new container from the image (a fresh filesystem) at
+        the head's address; seconds until it is ready."""
+        t0 = time.monotonic()
+        self.head.start()
+        self.wait_ready([self.head], timeout_s)
         return time.monotonic() - t0
 
     def wait_ready(self, nodes: list[RayNode], timeout_s: float) -> None:
@@ -195,7 +227,12 @@ class RayCluster:
             time.sleep(1)
 
     def submit(self, serve_config: dict[str, Any]) -> None:
-        """What KubeRay's RayService controller does with serveConfigV2: PUT it to the head's dashboard."""
+        """What KubeRay's RayService controller does with serveConfigV2: PUT it to the head's dashboard, through
+        the head Service. While the head pod is gone that Service has no endpoint, and kube-proxy rejects the
+        connection at once (here the address would just not answer until the client's timeout)."""
+        if not self.head.running():
+            raise ConnectionRefusedError(f"the head Service has no endpoint ({self.head.spec.name} is not running): "
+                                         f"PUT {self.dashboard}/api/serve/applications/ refused")
         status, body = http_json("PUT", f"{self.dashboard}/api/serve/applications/", serve_config, timeout=60)
         if status != 200:
             raise RuntimeError(f"the dashboard refused the serve config: {status} {body}")
@@ -236,8 +273,8 @@ class RayCluster:
         raise TimeoutError(f"{app} not running after {timeout_s} s: {json.dumps(last)[:1500]}")
 
     def node_of(self, ip: str) -> RayNode:
-        return next(n for n in [self.head, *self.workers] if n.ip == ip)
+        return next(n for n in self.nodes if n.ip == ip)
 
     def remove(self) -> None:
-        for n in [*self.workers, self.head]:
+        for n in [*self.ingress, *self.workers, self.head]:
             n.remove()

@@ -21,6 +21,7 @@ GCS_PORT = 6379
 DASHBOARD_PORT = 8265
 DASHBOARD_AGENT_PORT = 52365
 RAY_METRICS_PORT = 8080
+WORKER_GCS_RECONNECT_TIMEOUT_S = "600"  # KubeRay's DefaultWorkerRayGcsReconnectTimeoutS under GCS fault tolerance
 # Set on every Ray container of a RayService-created cluster ("to improve service SLA", pod.go).
 RAY_SERVICE_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0", "RAY_gcs_server_request_timeout_seconds": "5",
                    "RAY_SERVE_KV_TIMEOUT_S": "5"}
@@ -87,16 +88,42 @@ def ray_container(group: dict[str, Any]) -> dict[str, Any]:
     return dict(group["template"]["spec"]["containers"][0])
 
 
+def _value(item: dict[str, Any], secrets: dict[tuple[str, str], str] | None) -> str:
+    """An env var's (or a KubeRay option's) ``value``, or its ``valueFrom.secretKeyRef`` read from ``secrets``."""
+    if "value" in item:
+        return str(item["value"])
+    ref = item["valueFrom"]["secretKeyRef"]
+    return (secrets or {})[(ref["name"], ref["key"])]
+
+
+def gcs_fault_tolerance_env(cluster: dict[str, Any], node_type: NodeType, storage_namespace: str,
+                            secrets: dict[tuple[str, str], str] | None = None) -> dict[str, str]:
+    """What KubeRay's configureGCSFaultTolerance (pod.go) adds for the RayCluster's ``gcsFaultToleranceOptions``:
+    on the head the GCS's Redis (``RAY_REDIS_ADDRESS``, ``REDIS_PASSWORD``) and its key prefix
+    (``RAY_external_storage_namespace``: the ``ray.io/external-storage-namespace`` annotation, else the RayCluster's
+    UID — here ``storage_namespace``, which stays the same across the head's restarts as a UID does); on a worker
+    how long its raylet waits for a restarting head (600 s unless the container sets it)."""
+    options = cluster.get("gcsFaultToleranceOptions")
+    if options is None:
+        return {}
+    if node_type == "worker":
+        return {"RAY_gcs_rpc_server_reconnect_timeout_s": WORKER_GCS_RECONNECT_TIMEOUT_S}
+    env = {"RAY_REDIS_ADDRESS": str(options["redisAddress"]),
+           "RAY_external_storage_namespace": str(options.get("externalStorageNamespace") or storage_namespace)}
+    if "redisPassword" in options:
+        env["REDIS_PASSWORD"] = _value(options["redisPassword"], secrets)
+    return env
+
+
 def container_env(group: dict[str, Any], node_type: NodeType, head_host: str, command: str,
-                  secrets: dict[tuple[str, str], str] | None = None) -> dict[str, str]:
-    """The container's own env (secretKeyRef resolved from ``secrets``) plus what KubeRay adds for a RayService."""
-    env: dict[str, str] = {}
-    for item in ray_container(group).get("env", []):
-        if "value" in item:
-            env[item["name"]] = str(item["value"])
-        else:
-            ref = item["valueFrom"]["secretKeyRef"]
-            env[item["name"]] = (secrets or {})[(ref["name"], ref["key"])]
+                  secrets: dict[tuple[str, str], str] | None = None,
+                  fault_tolerance: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's own env (secretKeyRef resolved from ``secrets``) plus what KubeRay adds for a RayService
+    (``fault_tolerance``: gcs_fault_tolerance_env's)."""
+    env: dict[str, str] = {item["name"]: _value(item, secrets) for item in ray_container(group).get("env", [])}
+    for key, value in (fault_tolerance or {}).items():
+        if key == "REDIS_PASSWORD" or key not in env:  # KubeRay appends; a later duplicate wins in a pod
+            env[key] = value
     ip = "127.0.0.1" if node_type == "head" else head_host
     added = {"KUBERAY_GEN_RAY_START_CMD": command, "RAY_PORT": str(GCS_PORT), **RAY_SERVICE_ENV,
              "RAY_ADDRESS": f"{ip}:{GCS_PORT}", "REDIS_PASSWORD": "", "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1"}
@@ -121,6 +148,7 @@ class NodeSpec:
 
     name: str
     node_type: NodeType
+    group: str  # "headgroup" or the worker group's groupName (KubeRay's ray.io/group label)
     image: str
     command: str
     env: dict[str, str]
@@ -129,19 +157,30 @@ class NodeSpec:
     ports: tuple[int, ...]
 
 
+def worker_group(ray_service: dict[str, Any], group_name: str | None = None) -> dict[str, Any]:
+    """A worker group of ``ray_service`` by its ``groupName`` (the first group when None)."""
+    groups = ray_service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    if group_name is None:
+        return dict(groups[0])
+    return dict(next(g for g in groups if g["groupName"] == group_name))
+
+
 def node_spec(ray_service: dict[str, Any], node_type: NodeType, name: str, head_host: str,
-              secrets: dict[tuple[str, str], str] | None = None) -> NodeSpec:
-    """The head (or a worker of the first group) of ``ray_service``."""
+              secrets: dict[tuple[str, str], str] | None = None, group_name: str | None = None,
+              storage_namespace: str = "") -> NodeSpec:
+    """The head, or a worker of group ``group_name`` (the first group when None), of ``ray_service``;
+    ``storage_namespace`` stands for the RayCluster's UID (the GCS's key prefix in Redis under fault tolerance)."""
     cluster = ray_service["spec"]["rayClusterConfig"]
-    group = cluster["headGroupSpec"] if node_type == "head" else cluster["workerGroupSpecs"][0]
+    group = cluster["headGroupSpec"] if node_type == "head" else worker_group(ray_service, group_name)
     container = ray_container(group)
     command = start_command(node_type, start_params(group, node_type, head_host))
     res = container["resources"]
     cpu = quantity(res.get("limits", {}).get("cpu") or res.get("requests", {}).get("cpu") or 1)
     memory = _whole(res.get("limits", {}).get("memory") or res.get("requests", {}).get("memory") or "1Gi")
-    return NodeSpec(name, node_type, container["image"], command,
-                    container_env(group, node_type, head_host, command, secrets), cpu, memory,
-                    tuple(int(p["containerPort"]) for p in container.get("ports", [])))
+    ft = gcs_fault_tolerance_env(cluster, node_type, storage_namespace or name, secrets)
+    return NodeSpec(name, node_type, "headgroup" if node_type == "head" else str(group["groupName"]),
+                    container["image"], command, container_env(group, node_type, head_host, command, secrets, ft),
+                    cpu, memory, tuple(int(p["containerPort"]) for p in container.get("ports", [])))
 
 
 def serve_config(ray_service: dict[str, Any]) -> dict[str, Any]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
@@ -21,6 +22,27 @@ TOPICS = ["the sea", "a mountain", "a library", "a train", "a garden", "a storm"
 
 def chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}. (#{i})"}]
+
+
+# A client of every ingress pod at once, as a gRPC client of a headless gateway Service would be: round_robin over
+# the READY connections (a gateway that drains sends GOAWAY and stops listening: its connection leaves the pick
+# list), a call refused before its first answer retried on another (gRPC retries a call only while nothing of its
+# response has come back), reconnection tried every 0.2-1 s (gRPC's default backoff reaches 120 s).
+BALANCED_SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{"name": [{}], "retryPolicy": {
+        "maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"]}}],
+}
+
+
+def balanced(targets: list[str]) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and channel options of a client balancing over ``targets`` (``host:port`` each)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", json.dumps(BALANCED_SERVICE_CONFIG)), ("grpc.enable_retries", 1),
+        ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000)]
+    return f"ipv4:{','.join(targets)}", options
 
 
 @dataclass
@@ -73,12 +95,13 @@ class ClosedLoop:
     target: str
     clients: int = 4
     max_new_tokens: int = 12
+    options: list[tuple[str, Any]] | None = None  # the channel's (balanced's)
     results: list[StreamResult] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def _client(self, c: int) -> None:
-        async with AsyncDMTDClient(self.target, timeout_s=120) as client:
+        async with AsyncDMTDClient(self.target, timeout_s=120, options=self.options) as client:
             n = 0
             while not self._stop.is_set():
                 self.results.append(await stream(client, c * 1000 + n, self.max_new_tokens))

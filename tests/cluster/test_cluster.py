@@ -1,5 +1,5 @@
-"""The operator's RayService run as KubeRay runs it: gateway on the head, replicas on the workers, gRPC and
-OpenAI through the head's addresses."""
+"""The operator's RayService run as KubeRay runs it: a gateway on each ingress pod, replicas on the workers, gRPC
+and OpenAI through an ingress pod's addresses (the gateway Service's endpoints)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from openai import OpenAI
 from dmtd.client import AsyncDMTDClient, DMTDClient
 from dmtd_contract.registry import RegistryClient, VariantSpec
 from dmtd_operator import render
+from dmtd_operator.resources import GATEWAY_HTTP_PORT
 from tests.cluster import kuberay
 from tests.cluster.burst import BurstPlan, run_burst
 from tests.cluster.cluster import RayCluster
@@ -28,13 +29,14 @@ from tests.cluster.redis_proc import RedisProcess
 def test_grpc_stream_and_openai_call_through_the_cluster(cluster: RayCluster) -> None:
     gateway = cluster.running_replicas("Gateway")
     replicas = cluster.running_replicas("DMTDReplica")
-    assert [r["node_ip"] for r in gateway] == [cluster.head.ip]
+    assert sorted(r["node_ip"] for r in gateway) == sorted(n.ip for n in cluster.ingress)  # one on each, not the head
     assert len(replicas) == 1 and replicas[0]["node_ip"] in {w.ip for w in cluster.workers}
-    with DMTDClient(f"{cluster.head.ip}:9000", timeout_s=120) as c:
+    with DMTDClient(cluster.gateway, timeout_s=120) as c:
         blocks = list(c.generate(messages=[{"role": "user", "content": "Name a colour."}], max_new_tokens=12))
     tokens = [t for b in blocks for t in b.token_ids]
     assert 1 <= len(tokens) <= 12 and blocks[-1].usage.completion_tokens == len(tokens)
-    oa = OpenAI(base_url=f"http://{cluster.head.ip}:8000/v1", api_key="unused", timeout=120)
+    # the gateway's own HTTP server, which the gateway Service's `http` port targets
+    oa = OpenAI(base_url=f"http://{cluster.ingress[-1].ip}:{GATEWAY_HTTP_PORT}/v1", api_key="unused", timeout=120)
     model = oa.models.list().data[0].id
     chat = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
     assert chat.choices[0].message.content and chat.usage is not None and 1 <= chat.usage.completion_tokens <= 8
@@ -80,7 +82,7 @@ def scale_to(cluster: RayCluster, registry: RedisProcess, replicas: int) -> None
 
 
 def test_scale_up_under_closed_loop_load_fails_no_request(cluster: RayCluster, registry: RedisProcess) -> None:
-    target = f"{cluster.head.ip}:9000"
+    target = cluster.gateway
 
     async def run() -> tuple[list[StreamResult], float, float]:
         loop = ClosedLoop(target, clients=4, max_new_tokens=12).start()
@@ -104,7 +106,7 @@ def test_scale_up_under_closed_loop_load_fails_no_request(cluster: RayCluster, r
 
 
 def test_worker_killed_under_16_streams(cluster: RayCluster) -> None:
-    target = f"{cluster.head.ip}:9000"
+    target = cluster.gateway
     nodes = replica_nodes(cluster)
     assert len(nodes) == 2
     victim = cluster.node_of(nodes[next(iter(nodes))])
@@ -160,7 +162,7 @@ def wait_new_replica(cluster: RayCluster, ip: str, old_ids: set[str], timeout_s:
 
 def test_scale_down_lets_in_flight_streams_on_the_drained_replica_finish(cluster: RayCluster,
                                                                         registry: RedisProcess) -> None:
-    target = f"{cluster.head.ip}:9000"
+    target = cluster.gateway
     nodes = replica_nodes(cluster)
     assert len(nodes) == 2
 
@@ -192,7 +194,7 @@ def test_redis_restart_under_load_fails_no_request(cluster: RayCluster, registry
     """The registry's Redis goes away for 3 s under load and comes back with its data (the chart's StatefulSet
     keeps it on a volume): routing keeps its last state, the gateway's watcher reconnects and follows a change
     written after the restart."""
-    target = f"{cluster.head.ip}:9000"
+    target = cluster.gateway
     register_variant(registry.url)
     tau_before = wait_variant(target, lambda v: v.revision > 0).tau_max
 
@@ -232,8 +234,8 @@ def test_burst_scaled_by_the_policy_from_prometheus(cluster: RayCluster, registr
     replica-seconds beside `dmtd bench autoscale`'s prediction for the same trace."""
     (replica,) = cluster.running_replicas("DMTDReplica")
     health = prometheus.target_health()
-    assert len(health) == 3 and all(health[f"http://{ip}:9464/metrics"] == "up"
-                                    for ip in (cluster.head.ip, replica["node_ip"])), health
+    assert len(health) == len(cluster.nodes) and all(health[f"http://{ip}:9464/metrics"] == "up" for ip in
+                                                     [*(n.ip for n in cluster.ingress), replica["node_ip"]]), health
     plan = BurstPlan()
     spec = plan.spec(SPEC)
     run = asyncio.run(run_burst(cluster, plan, spec, prometheus.url, registry.url, NAME, NAMESPACE,

@@ -4,8 +4,8 @@ three gRPC clients in closed loops through the gateway from before the GCS is ki
 Nothing a client sees changes: zero failed requests, the same replica and gateway processes; a deploy started during
 the outage waits for the GCS and completes after it; the node, the apps and the registry are as before.
 
-What it does not cover: the head *pod* lost (the gateway and Serve's controller die with it): see
-docs/operations.md, "What survives what"."""
+The head *pod* lost (Serve's controller and the dashboard die with it; the gateways on the ingress pods do not):
+test_head_loss.py."""
 
 from __future__ import annotations
 

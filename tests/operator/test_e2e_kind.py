@@ -86,6 +86,9 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                             "headMemory": "3Gi",
                             "workerCpu": "1",
                             "workerMemory": "3Gi",
+                            "ingressReplicas": 1,
+                            "ingressCpu": "500m",
+                            "ingressMemory": "2Gi",
                         },
                     }
                 },

@@ -148,7 +148,7 @@ def test_default_values_render_the_whole_platform(tmp_path: Path) -> None:
     }
     assert env["DMTD_REGISTRY_URL"] == "redis://rel-dmtd-redis.dmtd.svc:6379/0"
     gateway = docs[("Service", "rel-dmtd-gateway")]
-    assert gateway["spec"]["selector"] == {r.LABEL_INSTANCE: "smollm2", "ray.io/node-type": "head"}
+    assert gateway["spec"]["selector"] == {r.LABEL_INSTANCE: "smollm2", "ray.io/group": r.INGRESS_GROUP}
     dashboard = json.loads(docs[("ConfigMap", "rel-dmtd-dashboard")]["data"]["dmtd-platform.json"])
     used = set(re.findall(r"dmtd_[a-z_]+", json.dumps(dashboard)))
     known = {m.name for m in metric_names.ALL}
@@ -239,8 +239,10 @@ def test_gcs_fault_tolerance_reaches_the_rayservice_from_the_charts_redis_or_its
     assert head_env["RAY_SERVE_KV_TIMEOUT_S"] == worker_env["RAY_SERVE_KV_TIMEOUT_S"] == "5"
     assert worker_env["RAY_gcs_rpc_server_reconnect_timeout_s"] == "600"
     assert "RAY_gcs_rpc_server_reconnect_timeout_s" not in head_env  # the head keeps Ray's 60 s: it restarts first
-    probe = head["readinessProbe"]
-    assert probe["exec"]["command"][:2] == ["python3", "-c"] and "/healthz" in probe["exec"]["command"][2]
+    assert "readinessProbe" not in head  # KubeRay's own: the gateways are on the ingress pods
+    (ingress,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == r.INGRESS_GROUP]
+    probe = ingress["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/healthz", "port": r.GATEWAY_HTTP_PORT, "scheme": "HTTP"}  # warm, not up
 
     own = {**cr["spec"], "serving": {**cr["spec"]["serving"], "gcsFaultTolerance": {
         "redisAddress": "gcs-redis.infra.svc:6380", "redisPasswordSecret": {"name": "gcs-redis", "key": "password"},
@@ -253,8 +255,8 @@ def test_gcs_fault_tolerance_reaches_the_rayservice_from_the_charts_redis_or_its
         "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "gcs-redis", "key": "password"}}}}
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert {e["name"]: e.get("value") for e in head["env"]}["RAY_SERVE_KV_TIMEOUT_S"] == "2.5"
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "head"},
-           "spec": rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ingress"},
+           "spec": rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"]}
     assert validate_builtin(pod) == "1.30"  # the probe included
 
     off = {**cr["spec"], "serving": {**cr["spec"]["serving"], "gcsFaultTolerance": {"enabled": False}}}

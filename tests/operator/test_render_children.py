@@ -99,8 +99,12 @@ def test_rayservice_carries_scale_tau_and_registry_in_serve_config() -> None:
     assert app["args"]["grpc_port"] == r.GATEWAY_GRPC_PORT
     gateway = next(d for d in app["deployments"] if d["name"] == r.GATEWAY_DEPLOYMENT)
     assert gateway["ray_actor_options"]["resources"] == {r.GATEWAY_RESOURCE: 1}
+    assert gateway["num_replicas"] == 2  # one on each ingress pod (spec.serving.ingressReplicas)
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
-    assert json.loads(json.loads(head["resources"])) == {r.GATEWAY_RESOURCE: 1}
+    assert "resources" not in head  # no gateway on the head: clients do not depend on it
+    (ingress,) = [g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == r.INGRESS_GROUP]
+    assert json.loads(json.loads(ingress["rayStartParams"]["resources"])) == {r.GATEWAY_RESOURCE: 1}
+    assert ingress["rayStartParams"]["num-cpus"] == "0" and ingress["minReplicas"] == ingress["maxReplicas"] == 2
     assert render.replicas_of(rs) == 3
     cluster = rs["spec"]["rayClusterConfig"]
     assert cluster["workerGroupSpecs"][0]["maxReplicas"] == 4

@@ -1,0 +1,109 @@
+"""A new variant version rolled out under load (the shared cluster of conftest.py): the DMTDDeployment's variant
+points at a new model URI; the operator renders it and KubeRay submits the serve config to the running cluster.
+
+Which mechanism: Serve's rolling update, not RayService's switch-over. KubeRay starts a new RayCluster (and
+switches its Services over once it serves) only when ``rayClusterConfig`` changes — a new serving image; a change
+of ``serveConfigV2`` alone goes to the running cluster. There a change of the app's ``args`` (the variants are
+args) is a new code version of *every* deployment of the app (Serve's get_app_code_version hashes the import path,
+runtime env and args), so Serve replaces the replicas and the gateways, one of each at a time (20 % of the target,
+at least one; the next only once the new one runs), each old one drained first (graceful shutdown: its streams
+in flight finish; a gateway goes not-ready, sends GOAWAY and refuses new calls). With two of each, one keeps
+serving while the other is replaced; a client sees that only if it is tied to one gateway address, so the clients
+here balance over both ingress pods as a gRPC client of a headless Service does (load.balanced: round_robin, a
+refused call retried).
+
+Asserted: zero failed requests (a closed loop of short requests, and long streams started before the submit, each
+run to its length), every replica and gateway afterwards a new process, requests after the roll served by the new
+replicas, the new model in the app's config."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+from dmtd.client import AsyncDMTDClient
+from dmtd_operator import render
+from tests.cluster import kuberay
+from tests.cluster.cluster import RayCluster
+from tests.cluster.conftest import SPEC, render_target
+from tests.cluster.load import ClosedLoop, StreamResult, balanced, stream
+from tests.cluster.redis_proc import RedisProcess
+
+LONG_STREAMS, LONG_TOKENS = 6, 96
+
+
+def replica_names(cluster: RayCluster) -> set[str]:
+    """``TokenBlock.replica`` of each RUNNING replica ("replica-<host>-<pid>")."""
+    return {f"replica-{cluster.node_of(r['node_ip']).spec.name}-{r['pid']}"
+            for r in cluster.running_replicas("DMTDReplica")}
+
+
+def wait_all_new(cluster: RayCluster, old_ids: set[str], count: int, timeout_s: float) -> float:
+    """Seconds until ``count`` replicas run and none of ``old_ids`` is listed any more."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        reps = cluster.replicas("DMTDReplica")
+        running = [r for r in reps if r["state"] == "RUNNING"]
+        if len(running) == count and not any(r["replica_id"] in old_ids for r in reps):
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise TimeoutError(f"old replicas still listed after {timeout_s} s: {cluster.replicas('DMTDReplica')}")
+
+
+def wait_gateways_replaced(cluster: RayCluster, old: set[tuple[str, int]], count: int, timeout_s: float) -> None:
+    """Until ``count`` gateways run, none of them in ``old`` (replica id, pid)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = {(r["replica_id"], r["pid"]) for r in cluster.running_replicas("Gateway")}
+        if len(now) == count and now.isdisjoint(old):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gateways not replaced in {timeout_s} s: {now} (old {old})")
+        time.sleep(0.5)
+
+
+def test_a_new_variant_version_rolls_replica_by_replica_under_streams(cluster: RayCluster,
+                                                                      registry: RedisProcess) -> None:
+    if len(cluster.running_replicas("DMTDReplica")) != 2:
+        cluster.submit(kuberay.serve_config(render.ray_service(render_target(registry.url, replicas=2))))
+        cluster.wait_app("dmtd", 240, {"DMTDReplica": 2})
+    old_ids = {r["replica_id"] for r in cluster.running_replicas("DMTDReplica")}
+    old_names = replica_names(cluster)
+    gateways = {(r["replica_id"], r["pid"]) for r in cluster.running_replicas("Gateway")}
+    target, options = balanced(cluster.gateways())
+    spec = copy.deepcopy(SPEC)
+    spec["variants"][0]["modelUri"] = "smollm2"  # v2: the embedded model itself (was the shipped variant)
+    new_config = kuberay.serve_config(render.ray_service(render_target(registry.url, replicas=2, spec=spec)))
+    marks: dict[str, float] = {}
+
+    async def run() -> tuple[list[StreamResult], list[StreamResult]]:
+        loop = ClosedLoop(target, clients=2, max_new_tokens=12, options=options).start()
+        async with AsyncDMTDClient(target, timeout_s=300, options=options) as client:
+            firsts = [asyncio.Event() for _ in range(LONG_STREAMS)]
+            tasks = [asyncio.create_task(stream(client, 300 + i, LONG_TOKENS, firsts[i]))
+                     for i in range(LONG_STREAMS)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 180)
+            marks["submit"] = time.monotonic()
+            await asyncio.to_thread(cluster.submit, new_config)
+            long = list(await asyncio.gather(*tasks))
+        await asyncio.to_thread(wait_all_new, cluster, old_ids, 2, 300)
+        await asyncio.to_thread(wait_gateways_replaced, cluster, gateways, 2, 120)
+        marks["rolled"] = time.monotonic()
+        await asyncio.sleep(5)
+        return await loop.stop(), long
+
+    short, long = asyncio.run(run())
+    new_names = replica_names(cluster)
+    failed = [(r.code, r.detail) for r in [*short, *long] if not r.ok or r.tokens != r.expected_tokens]
+    after = [r for r in short if r.started >= marks["rolled"]]
+    print(f"variant v2 rolled in {marks['rolled'] - marks['submit']:.1f} s under load: {len(short)} short requests, "
+          f"{len(long)} long streams ({sum(r.replica in old_names for r in long)} on old replicas), "
+          f"{len(failed)} failed; {len(after)} requests after the roll")
+    assert failed == [], failed[:5]
+    assert {r.replica for r in long} <= old_names  # they began on the old replicas and finished there
+    assert new_names.isdisjoint(old_names) and len(new_names) == 2
+    assert after and {r.replica for r in after} <= new_names
+    assert {(r["replica_id"], r["pid"]) for r in cluster.running_replicas("Gateway")}.isdisjoint(gateways)
+    app = cluster.serve_details()["applications"]["dmtd"]["deployed_app_config"]
+    assert app["args"]["variants"][0]["model"] == "smollm2"
