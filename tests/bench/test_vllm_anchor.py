@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dmtd.serve.settings import engine_default
+
 from dmtd.bench import vllm_anchor as va
 from dmtd.bench import vllm_rows as vr
 from dmtd.bench import vllm_workloads as vw
@@ -154,7 +156,8 @@ def test_vllm_serves_in_bf16_only_where_the_cpu_computes_in_bf16(tmp_path):
     assert va.vllm_dtype("bfloat16", {"avx2"}) == "bfloat16" and va.vllm_dtype("float32", {"amx_bf16"}) == "float32"
     assert va.vllm_dtype("auto") == va.vllm_dtype("auto", cpu_flags())  # this machine's own flags
     cmd = " ".join(va.serve_command(tmp_path, "/m", 1234, "smollm2", "float32"))
-    assert cmd.endswith("serve /m --host 127.0.0.1 --port 1234 --dtype float32 --served-model-name smollm2")
+    assert cmd.endswith("serve /m --host 127.0.0.1 --port 1234 --dtype float32 --served-model-name smollm2 "
+                        f"--max-model-len {engine_default('max_model_len')}")
     # a shape without weights (dmtd shapes export) runs on both sides with vLLM's own spelling of the option
     dummy = va.serve_command(tmp_path, "/m", 1234, "smollm2", "bfloat16", "dummy")
     assert dummy[-2:] == ["--load-format", "dummy"]

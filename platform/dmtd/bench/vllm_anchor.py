@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dmtd.bench.vllm_rows import format_table, make_rows
+from dmtd.serve.settings import engine_default
 from dmtd.bench.vllm_workloads import (
     TWO_TURN,
     Render,
@@ -161,9 +162,11 @@ def vllm_dtype(choice: str, flags: set[str] | None = None) -> str:
 
 def serve_command(venv: Path, model_dir: str, port: int, name: str, dtype: str, load_format: str = "auto"
                   ) -> list[str]:
-    """``vllm serve`` in ``dtype``, its defaults otherwise, on 127.0.0.1:port."""
+    """``vllm serve`` in ``dtype``, its defaults otherwise, on 127.0.0.1:port, a sequence's length capped as ours is
+    (``dmtd serve --max-model-len``'s default: a Qwen3 config's 40,960 positions do not fit vLLM's 4 GiB pool)."""
     return [str(venv / "bin" / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--served-model-name", name, *(["--load-format", load_format]
+            "--dtype", dtype, "--served-model-name", name, "--max-model-len", str(engine_default("max_model_len")),
+            *(["--load-format", load_format]
                                                              if load_format != "auto" else [])]
 
 
