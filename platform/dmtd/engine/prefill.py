@@ -75,7 +75,8 @@ class PrefillRunner:
     @staticmethod
     def riding_rows(prompts: list[Sequence]) -> RidingRows:
         """The positions to compute of prompts riding on a pass (a check, a head step), as its flat rows."""
-        rows = RidingRows([(s.num_prefilled, s.prefill_end) for s in prompts], [], [], [], [])
+        rows = RidingRows(spans=[(s.num_prefilled, s.prefill_end) for s in prompts], ids=[], pos=[], kv_rows=[],
+                          prompt=[])
         for s, (a, b) in zip(prompts, rows.spans):
             rows.ids.extend(s.token_ids[a:b])
             rows.pos.extend(range(a, b))
@@ -112,8 +113,8 @@ class PrefillRunner:
             return m.run_rows(x, d.decoding_start, d.num_layers, st.kv, ctx_of(slice(None)), st.weights)
         full = ctx_of(slice(None))
         assert full.prompt_rows is not None
-        self.deferred.append(DeferredRows(seqs, x[0, late], full.write_kv_rows[late], full.write_pos[late],
-                                          full.prompt_rows[late]))
+        self.deferred.append(DeferredRows(seqs=seqs, x=x[0, late], kv_rows=full.write_kv_rows[late],
+                                          pos=full.write_pos[late], prompt=full.prompt_rows[late]))
         h = x.new_empty(x.shape)
         rest = ~late
         if bool(rest.any()):

@@ -53,7 +53,7 @@ class ModelRunner:
             raise ConfigError(f"dtype is {cfg.dtype} but the model's weights are {str(have).removeprefix('torch.')}: "
                               "load the model in the engine's dtype")
         self.weight_format = lowbit.weight_format(cfg.dtype, cfg.quant, self.device.type)
-        # decode rows attend through dmtd::attend where the kernels build: one call a layer, each row alone
+        # decode steps attend through dmtd::attend where the kernels build: one call a layer, each sequence alone
         # (DMTD_ATTEND=0: torch's ops instead, to compare)
         self.model.attend_kernel = (self.device.type == "cpu" and self.kv_dtype == torch.float32
                                     and os.environ.get("DMTD_ATTEND", "1") != "0" and lowbit.kernels_available())
@@ -66,8 +66,9 @@ class ModelRunner:
         # into different groups (a variant's verifier, the base model) gave a position different bits
         packed = self.weights is not self.model.layer_weights()
         self.act_dtype = torch.float32 if packed and self.dtype in (torch.bfloat16, torch.float16) else self.dtype
-        self.cache = KVCache(model.config, dmtd, cfg.max_num_seqs, cfg.max_model_len, self._page_pool(model),
-                             self.kv_dtype, self.device, self.act_dtype)
+        self.cache = KVCache(model=model.config, dmtd=dmtd, num_rows=cfg.max_num_seqs, max_len=cfg.max_model_len,
+                             pages=self._page_pool(model), dtype=self.kv_dtype, device=self.device,
+                             hidden_dtype=self.act_dtype)
         self.kv = self.cache.layers
         vl = self.verifier.layers
         verify_weights = self.weights if vl is None else (
@@ -185,7 +186,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], prompts: list[Sequence] | None = None) -> torch.Tensor:
-        """One position per row; heads refill and run the thinking group. Logits [B, V].
+        """One position per sequence; heads refill and run the thinking group. Logits [B, V].
 
         ``prompts``: sequences of the unverified profile whose positions ``num_prefilled .. prefill_end`` ride along
         as rows of the same calls (:meth:`_decode_with_prompts`); what :meth:`prefill` would return for them is left in
@@ -275,7 +276,7 @@ class ModelRunner:
         return self._decode_logits(h[0, :B], tails, bool(heads))
 
     def _decode_logits(self, h: torch.Tensor, tails: list[int], any_head: bool) -> torch.Tensor:
-        """Logits [B, V] of a plain decode step. With a draft vocabulary, tail rows score only its ids (the
+        """Logits [B, V] of a plain decode step. With a draft vocabulary, tail sequences score only its ids (the
         rest -inf) whatever else shares the step; a step of tails alone projects onto those ids only."""
         st = self.state
         ids = self.drafts.ids
@@ -294,7 +295,7 @@ class ModelRunner:
         return logits
 
     def _refill(self, seqs: list[Sequence], h_head: torch.Tensor) -> torch.Tensor:
-        """Thinking group over each head row's pending tails + the head, right-aligned. → [n, 1, H]."""
+        """Thinking group over each head sequence's pending tails + the head, right-aligned. → [n, 1, H]."""
         st = self.state
         dev = st.device
         n_new = [s.num_to_refill + 1 for s in seqs]

@@ -17,7 +17,7 @@ MAX_CONTEXT_IDS = 1024  # context ids a draft pass adds to the draft vocabulary 
 
 class VerifiedPassRunner:
     """Draft and check passes over the model ``state``: drafts on ``drafts``' weights, checks on the verifying
-    path's, riding prompts' rows through ``prefill``."""
+    path's, riding prompts' product rows through ``prefill``."""
 
     def __init__(self, state: ModelState, drafts: DraftWeights, prefill: PrefillRunner) -> None:
         self.state = state
@@ -26,9 +26,9 @@ class VerifiedPassRunner:
 
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Tail steps of verified cycles: the draft head's logits at each row's draft position [n, N].
+        """Tail steps of verified cycles: the draft head's logits at each sequence's draft position [n, N].
 
-        A row's tail path first catches up on positions checked since its last draft (the head-routed
+        A sequence's tail path first catches up on positions checked since its last draft (the head-routed
         decoding input stashed by :meth:`verify`), in the same causal pass as the new tail position.
         """
         st = self.state
@@ -62,8 +62,8 @@ class VerifiedPassRunner:
         return self._draft_logits(m.norm.forward(h[:, -1]), seqs)
 
     def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The draft head's logits [n, N + E] over the draft vocabulary and then, for greedy rows, the E ids of the
-        rows' contexts outside it (``pass_draft_ids`` maps columns to token ids). A restricted vocabulary chosen
+        """The draft head's logits [n, N + E] over the draft vocabulary and then, for greedy sequences, the E ids of
+        their contexts outside it (``pass_draft_ids`` maps columns to token ids). A restricted vocabulary chosen
         from a corpus misses the words of a prompt's own topic ('refrigerator', 'gears', 'keeper' on the demo's chat
         prompts), each a draft that could only be rejected, and those are the words an answer repeats; their head
         rows cost a few hundred multiply-adds each."""
@@ -110,9 +110,9 @@ class VerifiedPassRunner:
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], prompts: list[Sequence] | None = None) -> torch.Tensor:
-        """Heads of verified cycles: the verifier's logits over each row's last token and its drafts.
+        """Heads of verified cycles: the verifier's logits over each sequence's last token and its drafts.
 
-        Returns [n, R, V], right-aligned: row i's ``len(drafts) + 1`` predictions are its last columns.
+        Returns [n, R, V], right-aligned: sequence i's ``len(drafts) + 1`` predictions are its last columns.
         Every layer group writes KV at those positions (thinking and encoding shared, decoding into the
         verifier's own), and the tail path's head-routed input is stashed for the next draft step.
 

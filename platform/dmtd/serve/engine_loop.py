@@ -136,9 +136,10 @@ class EngineLoop:
         if req.request_id in self.live:
             raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
-        live = Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None,
-                     push=push if push is not None and self.pusher is not None else None,
-                     interval_s=max(0.0, stream_interval_ms) / 1e3)
+        live = Live(req=req, queue=asyncio.Queue(), tau_lo=lo, tau_hi=hi,
+                    fixed_confidence=req.min_confidence is not None,
+                    push=push if push is not None and self.pusher is not None else None,
+                    interval_s=max(0.0, stream_interval_ms) / 1e3)
         live.t_admit_wall = time.time()  # until admitted: when the request reached this replica
         self.live[req.request_id] = live
         tel = self.telemetry

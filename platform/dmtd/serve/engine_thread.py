@@ -38,7 +38,8 @@ class Inbox:
         """Everything staged, as one job, and empty again; None when nothing is staged."""
         if not self.aborts and not self.admissions and self.taus is None:
             return None
-        job = Job(self.aborts, self.admissions, self.requests, self.taus or {}, self.min_confidence)
+        job = Job(aborts=self.aborts, admissions=self.admissions, requests=self.requests, taus=self.taus or {},
+                  min_confidence=self.min_confidence)
         self.aborts, self.admissions, self.requests, self.taus = [], [], {}, None
         return job
 
@@ -93,7 +94,7 @@ class EngineWorker:
                     if not self.halted and len(self.results) < MAX_AHEAD:
                         job = self.inbox.take()
                         if job is None and self.unfinished:
-                            job = Job([], [], {}, {}, 0.0)
+                            job = Job(aborts=[], admissions=[], requests={}, taus={}, min_confidence=0.0)
                     if job is None:
                         self.running = False
                         return
