@@ -26,6 +26,8 @@ Routing = Literal["prefix", "pow2"]
 OmpWaitPolicy = Literal["PASSIVE", "ACTIVE"]
 
 DEFAULT_STREAM_INTERVAL_MS = 40.0
+# the gateway's own HTTP server's port where `dmtd serve` names none (ServeConfig.http_port None: no such server)
+DEFAULT_HTTP_PORT = 8000
 
 
 class ServeConfigError(ValueError):
@@ -189,7 +191,7 @@ class ServeConfig(EngineSettings):
     http_port: int | None = Field(
         default=None, ge=0, le=65535, description="The gateway's own HTTP server: the OpenAI API and the dashboard "
         "served in the gateway's process, each streamed chunk written to the client's socket there (None: HTTP only "
-        "through Serve's proxy, a Ray call's item per chunk).")
+        "through Serve's proxy, a Ray call's item per chunk; `dmtd serve` gives DEFAULT_HTTP_PORT).")
     max_inflight: int = Field(default=64, ge=1, description="Requests the gateway admits at once.")
     registry_url: str | None = Field(default=None,
                                      description="Redis URL of the variant registry the stack follows.")

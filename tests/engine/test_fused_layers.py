@@ -53,19 +53,19 @@ def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights
     same values, and the same KV written, as the layer loop over those weights (E = 1 encoding layer, D = 2)."""
     g = torch.Generator().manual_seed(0)
     r, dmtd, model, reset = _packed_draft_runner(7, 2, g)
-    assert r.draft_format == "i8dot" and r._fused is not None
+    assert r.draft_format == "i8dot" and r.drafts.fused is not None
     h = torch.randn(rows, 64, generator=g)
     last, slot = 11, 1
 
     for start, end in ((0, dmtd.thinking_start), (dmtd.decoding_start, dmtd.num_layers)):
         reset()
-        fused = r._draft_stack(h, start, end, slot, last)
+        fused = r.verified._draft_stack(h, start, end, slot, last)
         kv_fused = [(k.clone(), v.clone()) for k, v in r.kv]
         reset()
-        ctx = r._context([slot], torch.arange(last - rows + 1, last + 1)[None], None)
+        ctx = r.state.context([slot], torch.arange(last - rows + 1, last + 1)[None], None)
         model.fused_layers = False  # the TorchScript layer loop
         with torch.inference_mode():
-            loop = model.run_layers(h[None], start, end, ctx.cos, ctx.sin, r.kv, ctx, r.draft_weights)[0]
+            loop = model.run_layers(h[None], start, end, ctx.cos, ctx.sin, r.kv, ctx, r.drafts.layers)[0]
         model.fused_layers = True
         torch.testing.assert_close(fused, loop, rtol=1e-4, atol=1e-5)
         for (k, v), (kf, vf) in zip(r.kv, kv_fused):
@@ -84,15 +84,15 @@ def test_rows_layers_compute_the_layer_loop_for_batches_chunks_and_padding():
     assert model.fused_layers
     kv0 = [(k.clone(), v.clone()) for k, v in r.kv]
     # the op, not a fallback: the decoding group's packed weights and float32 KV qualify
-    assert model.rows_args(r.draft_weights, r.kv, dmtd.decoding_start, dmtd.num_layers) is not None
+    assert model.rows_args(r.drafts.layers, r.kv, dmtd.decoding_start, dmtd.num_layers) is not None
 
     def run(slots, pos, valid, h, fused):
         reset()
         model.fused_layers = fused
-        ctx = r._context(slots, pos, valid)
+        ctx = r.state.context(slots, pos, valid)
         with torch.inference_mode():
             out = model.run_layers(h, dmtd.decoding_start, dmtd.num_layers, ctx.cos, ctx.sin, r.kv, ctx,
-                                   r.draft_weights)
+                                   r.drafts.layers)
         model.fused_layers = True
         return out, [(k.clone(), v.clone()) for k, v in r.kv]
 

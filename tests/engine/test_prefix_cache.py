@@ -223,7 +223,7 @@ def test_smollm2_long_shared_prompts_batched_and_cached_give_the_base_models_tok
     ref = [base.generate([p], SamplingParams(max_new_tokens=16))[0].token_ids for p in prompts]
     e = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]),
                      EngineConfig(max_num_seqs=4, max_model_len=1024, dtype=dtype, adaptive_drafts=True))
-    assert e.runner._rows_prefill_ok() == (dtype == "bfloat16")  # packed weights: rows in one call
+    assert e.runner.prefill_runner.rows_ok() == (dtype == "bfloat16")  # packed weights: rows in one call
     exact = SamplingParams(max_new_tokens=16, tau=3, exact=True)
     together = [r.token_ids for r in e.generate(prompts, exact)]
     again = [r.token_ids for r in e.generate(prompts[::-1], exact)][::-1]  # from the cache, in another order

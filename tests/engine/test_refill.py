@@ -55,14 +55,14 @@ def test_incremental_equals_masked_forward(split, head_input, anchor, tau):
     solo = tiny_engine(model, dmtd)
     rid = solo.add_request(prompt, SamplingParams(max_new_tokens=24, tau=tau))
     got = []
-    orig = solo.runner.logits
+    orig = solo.runner.state.logits
 
     def capture(h):
         out = orig(h)
         got.append(out[0].clone())
         return out
 
-    solo.runner.logits = capture  # type: ignore[method-assign]
+    solo.runner.state.logits = capture  # type: ignore[method-assign]
     while solo.has_unfinished():
         solo.step()
     assert solo.seqs[rid].generated_ids == res.token_ids

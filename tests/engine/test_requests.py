@@ -98,7 +98,7 @@ def test_non_finite_logits_fail_one_request_only():
     engine.step()  # prefill both
     bad_slot = engine.seqs[bad].kv_row
     rows = [s.kv_row for s in engine.scheduler.running]
-    orig = engine.runner.logits
+    orig = engine.runner.state.logits
 
     def poisoned(h):
         out = orig(h)
@@ -106,9 +106,9 @@ def test_non_finite_logits_fail_one_request_only():
             out[rows.index(bad_slot)] = float("nan")
         return out
 
-    engine.runner.logits = poisoned  # type: ignore[method-assign]
+    engine.runner.state.logits = poisoned  # type: ignore[method-assign]
     outs = engine.step()
-    engine.runner.logits = orig  # type: ignore[method-assign]
+    engine.runner.state.logits = orig  # type: ignore[method-assign]
     failed = [o for o in outs if o.req_id == bad]
     assert failed and failed[0].finished and failed[0].finish_reason == "error"
     assert "non-finite" in (failed[0].error or "")

@@ -257,3 +257,25 @@ def test_beside_decoding_short_prompts_after_the_first_come_as_the_budget_pays_f
     if not out.prefill:  # (a decode step between two prefill steps)
         out = s.schedule()
     assert [q.req_id for q in out.prefill] == ["p1", "p2"]
+
+
+def test_the_prefill_planner_works_on_the_schedulers_own_queues_and_ages_a_waiting_prompt():
+    """The scheduler's PrefillPlanner is given its queues (the same objects) and its admission: what it plans is the
+    scheduler's step, the keys it returns are the step's, and a prompt's age in schedule() calls halves its work at
+    AGE_STEPS."""
+    from dmtd.engine.prefill_pacer import prompt_cost
+    from dmtd.engine.prefill_plan import AGE_STEPS
+
+    s = rows_scheduler()
+    p = s.planner
+    assert p.waiting is s.waiting and p.prefilling is s.prefilling and p.running is s.running
+    s.add(prompt("a", range(1, 201)))
+    out = s.schedule()
+    assert [q.req_id for q in out.prefill] == ["a"] and s.prefilling == out.prefill
+    assert out.prefill_keys == prompt_cost(0, 200) > 0
+    b = prompt("b", range(300, 500))
+    s.add(b)  # queued at the current schedule() count
+    assert p.order(b, s.num_schedules) == prompt_cost(0, 200)
+    assert p.order(b, s.num_schedules + AGE_STEPS) == prompt_cost(0, 200) / 2
+    s.finish(b, "abort")
+    assert b.seq_no not in p.queued_at

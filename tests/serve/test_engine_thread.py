@@ -21,7 +21,7 @@ async def settled(rep: DMTDReplica) -> dict:
     """The replica's stats once the engine thread has nothing left to do (or after ~2 s)."""
     loop = rep.loop
     for _ in range(400):
-        if (not loop._worker_on and not loop._results and not loop.live
+        if (not loop.worker.running and not loop.worker.results and not loop.live
                 and loop.engine.scheduler.num_free_kv_rows == loop.engine.cfg.max_num_seqs):
             break
         await asyncio.sleep(0.005)
@@ -33,7 +33,7 @@ def assert_idle(rep: DMTDReplica, stats: dict) -> None:
     assert stats["active"] == 0 and stats["pending"] == 0 and stats["waiting"] == 0 and stats["running"] == 0
     assert stats["free_kv_rows"] == engine.cfg.max_num_seqs
     assert not engine.has_unfinished() and engine.seqs == {}
-    assert not rep.loop._worker_on and not rep.loop._results  # the job loop returned: no thread spins
+    assert not rep.loop.worker.running and not rep.loop.worker.results  # the job loop returned: no thread spins
 
 
 def test_many_requests_under_load_with_an_abort_and_bad_requests_get_their_tokens_and_leave_nothing():
@@ -130,7 +130,7 @@ def test_a_job_loop_that_ends_with_its_own_error_is_restarted_and_the_request_co
     """A bug of the engine thread's job loop itself (outside a job; here injected once) ends the event loop's
     side too: the supervisor counts a restart, submits the job loop again and the request still completes."""
     rep = make_replica()
-    inbox = rep.loop._inbox
+    inbox = rep.loop.worker.inbox
     original, calls = inbox.take, {"n": 0}
 
     def broken_once():

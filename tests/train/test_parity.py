@@ -26,18 +26,18 @@ CASES = [
 def engine_logits(engine, prompt: list[int], tau: int, n: int) -> tuple[list[int], list[bool], torch.Tensor]:
     """Greedy-generate ``n`` tokens at cycle length ``tau``, capturing the logits of every step."""
     got: list[torch.Tensor] = []
-    orig = engine.runner.logits
+    orig = engine.runner.state.logits
 
     def capture(h: torch.Tensor) -> torch.Tensor:
         out = orig(h)
         got.append(out[0].clone())
         return out
 
-    engine.runner.logits = capture
+    engine.runner.state.logits = capture
     try:
         res = engine.generate([prompt], SamplingParams(max_new_tokens=n, tau=tau, ignore_eos=True))[0]
     finally:
-        del engine.runner.logits
+        del engine.runner.state.logits
     return res.token_ids, res.head_flags, torch.stack(got)
 
 

@@ -233,7 +233,7 @@ class EngineConfig:
     phrase_drafts: bool = True
     # exact profile, prompts as rows: the variant's decoding group over an exact prompt (the KV its drafts read, not
     # its output) runs at the start of the next step, after the prompt's first token is out (~a fifth of an exact
-    # prefill's layers; dmtd.engine.prefill.Prefill.catch_up)
+    # prefill's layers; dmtd.engine.prefill.PrefillRunner.catch_up)
     draft_kv_after_first_token: bool = True
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ class LLMEngine:
         self.scheduler.kv.before_release = self._catch_up_for
         # a finished answer's KV serves the conversation's next turn where a decode row computes a position as a
         # prefill does (prompts as rows on the same kernels; not AMX, whose prompt attention runs on tiles), in the
-        # groups its readers read: the trunk and the verifier's for exact rows, every group where no tail runs
+        # groups its readers read: the trunk and the verifier's for exact sequences, every group where no tail runs
         if self.rows_prefill and lowbit.loaded_path() != "amx":
             self.scheduler.kv.answers = lambda s: s.params.exact or dmtd.tau_max == 1
         self.pacer = PrefillPacer(cfg.prefill_pace)  # how much prompt a step takes while others decode

@@ -1,7 +1,7 @@
 """How much prompt a prefill step takes while other sequences decode (torch-free).
 
 A prompt's prefill steps alternate with the running sequences' decode steps, so every prefill step is a gap in
-their streams. Where prompts run as rows (:meth:`dmtd.engine.prefill.Prefill.rows_prefill`: a position's bits do
+their streams. Where prompts run as rows (:meth:`dmtd.engine.prefill.PrefillRunner.rows_prefill`: a position's bits do
 not depend on how its prompt was split), a prefill step takes the prompt positions that fit a time budget — about
 ``prefill_pace`` times the running sequences' decode step — measured, not guessed: a position costs a fixed part
 (its products) and a part growing with the keys it reads, so a step late in a long prompt takes few positions and

@@ -11,7 +11,7 @@ from dmtd.engine.config import DMTDConfig
 from dmtd.engine.kv_manager import CapacityError, KVCacheManager
 from dmtd.engine.kv_pages import KVPages
 from dmtd.engine.prefill_pacer import StepBudgets
-from dmtd.engine.prefill_plan import PrefillPlanning
+from dmtd.engine.prefill_plan import PrefillPlanner
 from dmtd.engine.prefix_cache import PrefixCache
 from dmtd.engine.sequence import RequestError, Sequence, SequenceStatus
 
@@ -68,7 +68,7 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
-class Scheduler(PrefillPlanning):
+class Scheduler:
     """Admits and retires sequences at any step; one KV-cache row (``kv_row``: a row of the page table) per sequence
     from its admission, and the KV pages of the positions it writes (:mod:`dmtd.engine.kv_pages`).
 
@@ -88,7 +88,7 @@ class Scheduler(PrefillPlanning):
     """
 
     def __init__(self, dmtd: DMTDConfig, max_num_seqs: int, max_model_len: int,
-                 max_prefill_tokens: int, align_phases: bool = False, prefill_chunk: int = 128,
+                 max_prefill_tokens: int, *, align_phases: bool = False, prefill_chunk: int = 128,
                  prefix_caching: bool = True, pages: KVPages | None = None, cache_chunk: int | None = None,
                  long_prefill_tokens: int = 0) -> None:
         self.dmtd = dmtd
@@ -108,12 +108,14 @@ class Scheduler(PrefillPlanning):
         self.num_decode_steps = 0
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_prefill_tokens = max(max_prefill_tokens, prefill_chunk)
-        self.prefill_chunk = prefill_chunk
-        self.long_prefill_tokens = long_prefill_tokens  # longer prompts are paced beside decoding; 0: all are
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, their prompts partly prefilled
         self.running: list[Sequence] = []
+        # which prompts a prefill step computes (given these queues, never reassigned, and admission)
+        self.planner = PrefillPlanner(kv=self.kv, waiting=self.waiting, prefilling=self.prefilling,
+                                      running=self.running, admit=self._admit, prefill_chunk=prefill_chunk,
+                                      max_prefill_tokens=max(max_prefill_tokens, prefill_chunk),
+                                      long_prefill_tokens=long_prefill_tokens, align_phases=self.align_phases)
         self._last_prefill = False
         # the step's budgets (schedule's StepBudgets): whether a prompt may be split anywhere, and the keys a prefill
         # step may read while sequences decode (None: one chunk)
@@ -124,8 +126,7 @@ class Scheduler(PrefillPlanning):
         self.last_prefill_keys = 0.0  # the work of the last prefill step (keys read), for the pacer
         self.last_prefill_paced = False
         self.num_rides = 0  # decode steps that carried prompt rows (on a check pass or a head step)
-        self.num_schedules = 0  # schedule() calls: a prompt's age in them orders prefill (_prefill_order)
-        self.queued_at: dict[int, int] = {}  # seq_no → num_schedules when it was queued (its prefill order ages)
+        self.num_schedules = 0  # schedule() calls: a prompt's age in them orders prefill (PrefillPlanner.order)
 
     @property
     def pages(self) -> KVPages:
@@ -160,7 +161,7 @@ class Scheduler(PrefillPlanning):
             raise RequestError("tau", f"must be in 1..{self.dmtd.tau_max} (the variant's tau_max), "
                                f"got {seq.tau}")
         self.kv.check(seq)
-        self.queued_at[seq.seq_no] = self.num_schedules
+        self.planner.queued(seq, self.num_schedules)
         self.waiting.append(seq)
 
     def schedule(self, budgets: StepBudgets | None = None) -> StepPlan:
@@ -184,8 +185,9 @@ class Scheduler(PrefillPlanning):
         self.last_prefill_paced = paced and kind is None
         keys = (self.ride_budgets.get(kind) if kind is not None and carrier else self.prefill_budget) or 0.0
         if (not (self.running and self._last_prefill and self.prefilling)
-                and not (paced and keys < 0 and not self._short_due(paced)) and not (kind and not carrier)):
-            self._plan_prefill(out.prefill, paced, keys)
+                and not (paced and keys < 0 and not self.planner.short_due(paced)) and not (kind and not carrier)):
+            self.last_prefill_keys = self.planner.plan(out.prefill, paced=paced, keys=keys, free_split=self.free_split,
+                                                       num_schedules=self.num_schedules)
         if carrier and out.prefill:
             out.ride, out.prefill = out.prefill, []
             self.num_rides += 1
@@ -381,7 +383,7 @@ class Scheduler(PrefillPlanning):
         """Retire a sequence (finished, cancelled or failed) and free its cache row at once."""
         if seq.status is SequenceStatus.FINISHED:
             return
-        self.queued_at.pop(seq.seq_no, None)
+        self.planner.forget(seq)
         if seq.status is SequenceStatus.RUNNING:
             (self.prefilling if seq in self.prefilling else self.running).remove(seq)
             self.kv.release(seq)  # its published chunks stay cached

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dmtd.engine.draft_state import CONTEXT_NGRAMS, DraftState
+from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT
 
 __all__ = ["CONTEXT_NGRAMS", "CycleBlock", "RequestError", "SamplingParams", "Sequence", "SequenceCounts",
            "SequenceStatus"]
@@ -33,7 +34,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS_DEFAULT
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False

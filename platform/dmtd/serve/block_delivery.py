@@ -1,4 +1,4 @@
-"""Delivering a step's blocks, the second half of a replica's engine loop (``engine_loop.EngineLoop``): each
+"""Delivering a step's blocks (``BlockDelivery``, owned by a replica's ``engine_loop.EngineLoop``): each
 request's step output becomes a ``Block`` (its text, timings, usage when it finishes) that goes to the request's
 queue, or, for a request pushed to the gateway's block sink, is held until its stream interval has passed and
 then written with the step's other due frames to each sink in one write. Runs on the event loop, never on the
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.outputs import StepOutput
@@ -22,28 +23,27 @@ log = logging.getLogger("dmtd.replica")
 
 
 class BlockDelivery:
-    """The loop's block dispatch (a mixin of ``EngineLoop``, which owns the state named here)."""
+    """The loop's block dispatch, given the loop's live requests (``live``, shared) and how it fails one (``fail``)."""
 
-    engine: LLMEngine
-    controller: TauController
-    replica_name: str
-    telemetry: ReplicaTelemetry | None
-    live: dict[str, Live]
-    pusher: BlockPusher | None
-    _holding: dict[str, Live]
-    _flush_timer: asyncio.TimerHandle | None
+    def __init__(self, *, engine: LLMEngine, controller: TauController, replica_name: str,
+                 telemetry: ReplicaTelemetry | None, live: dict[str, Live],
+                 fail: Callable[[str, BaseException], None]) -> None:
+        self.engine, self.controller, self.replica_name = engine, controller, replica_name
+        self.telemetry = telemetry
+        self.live = live
+        self._fail = fail
+        self.pusher: BlockPusher | None = None  # the replica's, for requests submitted with a sink
+        self.holding: dict[str, Live] = {}  # pushed requests with blocks not written yet, by request id
+        self._flush_timer: asyncio.TimerHandle | None = None  # writes held blocks when steps stall
 
-    def _fail(self, rid: str, error: BaseException, reason: str = "error") -> None:
-        raise NotImplementedError
-
-    def _observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
+    def observe_step(self, outputs: list[StepOutput], wall_s: float) -> None:
         assert self.telemetry is not None
         prefill = any(o.req_id in self.live and self.live[o.req_id].num_tokens == 0 for o in outputs)
         self.telemetry.on_step("prefill" if prefill else "decode", wall_s, [(o.req_id, o.tau) for o in outputs])
         heads = sum(1 for o in outputs if o.token_id >= 0 and o.is_head)
         self.telemetry.on_tokens(heads, sum(1 for o in outputs if o.token_id >= 0) - heads)
 
-    def _dispatch(self, o: StepOutput, now: float, seq: SeqInfo | None) -> None:
+    def dispatch(self, o: StepOutput, now: float, seq: SeqInfo | None) -> None:
         live = self.live.get(o.req_id)
         if live is None:
             return
@@ -93,14 +93,14 @@ class BlockDelivery:
                 self.telemetry.on_finish(o.req_id, block.finish_reason, block.usage.as_dict(), o.error)
         if live.push is not None:
             live.held.append((now, block))
-            self._holding[o.req_id] = live
+            self.holding[o.req_id] = live
         else:
             live.ready.append(now)
             live.queue.put_nowait(block)
         if o.finished:
             live.last.set()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Write the pushed blocks that are due, every due request's frame to a sink in one write: a request's
         first block and its last at once, the others once its stream interval has passed since its last frame
         (checked after every step; the blocks of the steps in between go together, as the streamed path's
@@ -113,10 +113,10 @@ class BlockDelivery:
         now, sent = time.perf_counter(), time.time()
         outbox: dict[str, list[tuple[Live, list[Block]]]] = {}
         wake: float | None = None
-        for rid, live in list(self._holding.items()):
+        for rid, live in list(self.holding.items()):
             held = live.held
             if not held or live.push is None:
-                del self._holding[rid]
+                del self.holding[rid]
                 continue
             if held[0][1].block_index == 0 or held[-1][1].finish_reason or now - live.t_sent >= live.interval_s:
                 blocks = []
@@ -125,13 +125,13 @@ class BlockDelivery:
                     blocks.append(block)
                 outbox.setdefault(live.push[0], []).append((live, blocks))
                 live.held, live.t_sent = [], now
-                del self._holding[rid]
+                del self.holding[rid]
             else:
                 due = live.t_sent + 2 * live.interval_s
                 wake = due if wake is None else min(wake, due)
         if wake is not None:
             loop = asyncio.get_running_loop()
-            self._flush_timer = loop.call_later(max(0.0, wake - now), self._flush)
+            self._flush_timer = loop.call_later(max(0.0, wake - now), self.flush)
         for address, groups in outbox.items():
             try:
                 failed = None if self.pusher is None else self.pusher.write_groups(

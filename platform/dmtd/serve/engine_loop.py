@@ -32,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,7 +42,7 @@ from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.block_delivery import BlockDelivery
 from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.engine_job import Done, Job, Live, Pushed, internal_error
-from dmtd.serve.engine_thread import EngineThread, Inbox, LoopDied, Result, engine_executor
+from dmtd.serve.engine_thread import EngineWorker, LoopDied, engine_executor
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.serve.push import BlockPusher
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
@@ -52,9 +50,9 @@ from dmtd_contract.records import Block, ReplicaRequest
 
 log = logging.getLogger("dmtd.replica")
 
-class EngineLoop(BlockDelivery, EngineThread):
-    """Owns the engine; admits, steps, dispatches blocks (:class:`BlockDelivery`), applies the controller's τ and
-    gate."""
+class EngineLoop:
+    """Owns the engine; admits requests, consumes the engine thread's steps (its ``worker``, :class:`EngineWorker`),
+    has their blocks delivered (its ``delivery``, :class:`BlockDelivery`), applies the controller's τ and gate."""
 
     def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
                  telemetry: ReplicaTelemetry | None = None, executor: ThreadPoolExecutor | None = None) -> None:
@@ -63,24 +61,21 @@ class EngineLoop(BlockDelivery, EngineThread):
         self.telemetry = telemetry
         self.live: dict[str, Live] = {}
         self._load = (0, 0)  # the engine's waiting and running requests after the last job consumed
-        # shared with the engine thread, under _lock: the staged work, the finished jobs the event loop has
-        # not taken yet (kept here, not in the loop task, so that a restarted loop collects them), whether
-        # the job loop is submitted, whether the engine had unfinished requests after its last job, whether
-        # it waits for the event loop to see a failed step, and where to signal a finished job
-        self._lock = threading.Lock()
-        self._inbox = Inbox()
-        self._results: deque[Result] = deque()
-        self._worker_on = False
-        self._unfinished = False
-        self._halted = False
-        self._sink: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self.pusher: BlockPusher | None = None  # the replica's, for requests submitted with a sink
-        self._holding: dict[str, Live] = {}  # pushed requests with blocks not written yet, by request id
-        self._flush_timer: asyncio.TimerHandle | None = None  # writes held blocks when steps stall
-        self._executor = executor or engine_executor()
+        self.worker = EngineWorker(engine, executor or engine_executor())
+        self.delivery = BlockDelivery(engine=engine, controller=controller, replica_name=replica_name,
+                                      telemetry=telemetry, live=self.live, fail=self._fail)
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self.restarts = 0
+
+    @property
+    def pusher(self) -> BlockPusher | None:
+        """The replica's block pusher, for requests submitted with a sink (set by the replica)."""
+        return self.delivery.pusher
+
+    @pusher.setter
+    def pusher(self, pusher: BlockPusher | None) -> None:
+        self.delivery.pusher = pusher
 
     # -- bookkeeping visible to tests and metrics ----------------------------------------------
     @property
@@ -90,7 +85,7 @@ class EngineLoop(BlockDelivery, EngineThread):
     def stats(self) -> dict[str, Any]:
         d = self.controller.decision
         return {"active": self.num_active, "running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "pending": len(self._inbox.admissions),
+                "pending": len(self.worker.inbox.admissions),
                 "tau": d.tau, "min_confidence": d.min_confidence, "reason": d.reason,
                 "itl_p95_ms": self.controller.itl_p95_ms(), "steps": self.num_steps, "replica": self.replica_name,
                 "loop_restarts": self.restarts, **self.engine.cache_report(),
@@ -103,7 +98,7 @@ class EngineLoop(BlockDelivery, EngineThread):
         """The gauges' reading (called from the metrics endpoint's thread: reads only)."""
         c, d, e = self.controller.cfg, self.controller.decision, self.engine
         cache = e.cache_report()
-        return ReplicaState(queue_depth=e.num_waiting + len(self._inbox.admissions), batch_size=e.num_running,
+        return ReplicaState(queue_depth=e.num_waiting + len(self.worker.inbox.admissions), batch_size=e.num_running,
                             kv_occupancy=cache["kv_utilisation"],
                             prefix_hit_ratio=float(cache.get("prefix_hit_ratio", 0.0)),
                             tau=d.tau, tau_min=c.tau_min,
@@ -133,7 +128,7 @@ class EngineLoop(BlockDelivery, EngineThread):
 
         With ``push`` (a sink address this loop's ``pusher`` is connected to, and the request's token), the
         loop writes the blocks to the sink itself, at most one frame per ``stream_interval_ms`` after the first
-        (``BlockDelivery._flush``), every due request's frame of a step in one write, and this yields nothing;
+        (``BlockDelivery.flush``), every due request's frame of a step in one write, and this yields nothing;
         it ends after the last frame is written, or raises the request's error. If the connection is gone when
         a frame is due, the rest of the blocks are yielded here instead."""
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
@@ -141,9 +136,10 @@ class EngineLoop(BlockDelivery, EngineThread):
         if req.request_id in self.live:
             raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
-        live = Live(req, asyncio.Queue(), lo, hi, req.min_confidence is not None,
-                     push=push if push is not None and self.pusher is not None else None,
-                     interval_s=max(0.0, stream_interval_ms) / 1e3)
+        live = Live(req=req, queue=asyncio.Queue(), tau_lo=lo, tau_hi=hi,
+                    fixed_confidence=req.min_confidence is not None,
+                    push=push if push is not None and self.pusher is not None else None,
+                    interval_s=max(0.0, stream_interval_ms) / 1e3)
         live.t_admit_wall = time.time()  # until admitted: when the request reached this replica
         self.live[req.request_id] = live
         tel = self.telemetry
@@ -156,10 +152,10 @@ class EngineLoop(BlockDelivery, EngineThread):
         try:
             admission = self._params(req.request_id)  # (a malformed one fails here: its error is queued)
             if admission is not None:  # tokenised on the engine's thread, right before it is added
-                with self._lock:
-                    self._inbox.admissions.append(admission)
-                    self._inbox.requests[req.request_id] = req
-                    self._kick()
+                with self.worker.lock:
+                    self.worker.inbox.admissions.append(admission)
+                    self.worker.inbox.requests[req.request_id] = req
+                    self.worker.kick()
             interval_s, last_sent = max(0.0, stream_interval_ms) / 1e3, None
             while True:
                 item = await live.queue.get()
@@ -190,7 +186,7 @@ class EngineLoop(BlockDelivery, EngineThread):
                 if batch[-1].finish_reason or pushed_end:
                     return
         finally:
-            self._holding.pop(req.request_id, None)
+            self.delivery.holding.pop(req.request_id, None)
             if self.live.pop(req.request_id, None) is not None:
                 # cancelled or failed mid-stream: the engine frees the slot before its next step
                 self._stage_abort(req.request_id)
@@ -200,8 +196,8 @@ class EngineLoop(BlockDelivery, EngineThread):
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
             loop, ready = asyncio.get_running_loop(), asyncio.Event()
-            with self._lock:
-                self._sink = (loop, ready)  # finished jobs are signalled to this loop from now on
+            with self.worker.lock:
+                self.worker.sink = (loop, ready)  # finished jobs are signalled to this loop from now on
             self._task = loop.create_task(self._supervise(ready))
 
     async def _supervise(self, ready: asyncio.Event) -> None:
@@ -220,7 +216,7 @@ class EngineLoop(BlockDelivery, EngineThread):
     def _fail(self, rid: str, error: BaseException, reason: str = "error") -> None:
         """End one request with ``error``; the engine frees its slot before the next step."""
         live = self.live.pop(rid, None)
-        self._holding.pop(rid, None)
+        self.delivery.holding.pop(rid, None)
         if live is not None:
             live.queue.put_nowait(error)
             live.last.set()
@@ -284,28 +280,28 @@ class EngineLoop(BlockDelivery, EngineThread):
     # -- the event loop's side ------------------------------------------------------------------
     def _stage_abort(self, rid: str) -> None:
         """Have the engine thread abort ``rid`` before its next step (an admission still staged is dropped)."""
-        with self._lock:
-            inbox = self._inbox
+        with self.worker.lock:
+            inbox = self.worker.inbox
             if rid in inbox.requests:
                 del inbox.requests[rid]
                 inbox.admissions = [a for a in inbox.admissions if a[0] != rid]
             inbox.aborts.append(rid)
-            self._kick()
+            self.worker.kick()
 
     async def _run(self, ready: asyncio.Event) -> None:
         """Consume the engine thread's finished jobs in order: the admissions' bookkeeping, the step's
         telemetry, its blocks, the controller; the engine thread runs the next step meanwhile."""
-        with self._lock:
-            self._kick()  # a job loop that stopped for an event loop that was gone goes on
+        with self.worker.lock:
+            self.worker.kick()  # a job loop that stopped for an event loop that was gone goes on
         while True:
-            with self._lock:
-                result = self._results.popleft() if self._results else None
+            with self.worker.lock:
+                result = self.worker.results.popleft() if self.worker.results else None
                 if result is not None:
-                    self._kick()  # a job loop that stopped for this event loop goes on
+                    self.worker.kick()  # a job loop that stopped for this event loop goes on
             if result is None:
                 ready.clear()
-                with self._lock:
-                    if self._results:  # (queued after the last look, before the clear)
+                with self.worker.lock:
+                    if self.worker.results:  # (queued after the last look, before the clear)
                         continue
                 await ready.wait()
                 continue
@@ -315,9 +311,9 @@ class EngineLoop(BlockDelivery, EngineThread):
             if isinstance(done, Exception):  # an engine bug must not hang every stream
                 for rid in list(self.live):
                     self._fail(rid, internal_error(rid, "engine step failed", done))
-                with self._lock:
-                    self._halted = False  # the live requests' aborts are staged: the next job runs them
-                    self._kick()
+                with self.worker.lock:
+                    self.worker.halted = False  # the live requests' aborts are staged: the next job runs them
+                    self.worker.kick()
                 continue
             self._consume(job, done)
 
@@ -339,17 +335,17 @@ class EngineLoop(BlockDelivery, EngineThread):
                 lv.step_ms += step_ms
                 lv.step_cpu_ms += done.cpu_s * 1e3
         if self.telemetry is not None:
-            self._observe_step(done.outputs, now - done.t_start)
+            self.delivery.observe_step(done.outputs, now - done.t_start)
         for o in done.outputs:
             try:
-                self._dispatch(o, now, done.seqs.get(o.req_id))
+                self.delivery.dispatch(o, now, done.seqs.get(o.req_id))
             except Exception as e:
                 self._fail(o.req_id, internal_error(o.req_id, "delivering a block failed", e))
-        self._flush()
+        self.delivery.flush()
         self._apply_controller()
 
     def _apply_controller(self) -> None:
-        self.controller.observe_load(self._load[0] + len(self._inbox.admissions), self._load[1])
+        self.controller.observe_load(self._load[0] + len(self.worker.inbox.admissions), self._load[1])
         self.apply_decision()
 
     def apply_decision(self) -> None:
@@ -361,9 +357,9 @@ class EngineLoop(BlockDelivery, EngineThread):
             return
         d = self.controller.decision
         taus = {rid: (max(lv.tau_lo, min(lv.tau_hi, d.tau)), lv.fixed_confidence) for rid, lv in self.live.items()}
-        with self._lock:
-            self._inbox.taus, self._inbox.min_confidence = taus, d.min_confidence
-            self._kick()
+        with self.worker.lock:
+            self.worker.inbox.taus, self.worker.inbox.min_confidence = taus, d.min_confidence
+            self.worker.kick()
 
     def reconfigure(self, cfg: ControllerConfig) -> None:
         self.controller.reconfigure(cfg)

@@ -1,6 +1,6 @@
-"""The engine thread's side of a replica's engine loop (a mixin of ``engine_loop.EngineLoop``, which owns the state
-named here): its one-thread executor, the inbox the event loop stages work in, and the job loop that runs jobs
-back to back and hands each result back (``engine_loop``'s docstring tells the whole design)."""
+"""The engine thread's side of a replica's engine loop (``EngineWorker``, owned by ``engine_loop.EngineLoop``): its
+one-thread executor, the inbox the event loop stages work in, and the job loop that runs jobs back to back and hands
+each result back (``engine_loop``'s docstring tells the whole design)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ class Inbox:
         """Everything staged, as one job, and empty again; None when nothing is staged."""
         if not self.aborts and not self.admissions and self.taus is None:
             return None
-        job = Job(self.aborts, self.admissions, self.requests, self.taus or {}, self.min_confidence)
+        job = Job(aborts=self.aborts, admissions=self.admissions, requests=self.requests, taus=self.taus or {},
+                  min_confidence=self.min_confidence)
         self.aborts, self.admissions, self.requests, self.taus = [], [], {}, None
         return job
 
@@ -53,28 +54,34 @@ class LoopDied:
 Result = tuple[Job, Done | Exception] | LoopDied  # a job and what it returned or raised
 
 
-class EngineThread:
-    """The engine thread's job loop (everything here but ``_kick`` runs on that thread; the shared state is read
-    and written under ``_lock``)."""
+class EngineWorker:
+    """The engine thread's job loop and what it shares with the event loop (everything here but :meth:`kick` runs on
+    the engine thread; the shared state is read and written under ``lock``)."""
 
-    engine: LLMEngine
-    _lock: threading.Lock
-    _inbox: Inbox
-    _results: deque[Result]
-    _worker_on: bool
-    _unfinished: bool
-    _halted: bool
-    _sink: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None
-    _executor: ThreadPoolExecutor
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor) -> None:
+        self.engine = engine
+        self.executor = executor
+        # shared with the event loop, under lock: the staged work, the finished jobs the event loop has not taken
+        # yet (kept here, not in the loop task, so that a restarted loop collects them), whether the job loop is
+        # submitted, whether the engine had unfinished requests after its last job, whether it waits for the event
+        # loop to see a failed step, and where to signal a finished job
+        self.lock = threading.Lock()
+        self.inbox = Inbox()
+        self.results: deque[Result] = deque()
+        self.running = False
+        self.unfinished = False
+        self.halted = False
+        self.sink: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
-    def _kick(self) -> None:
-        """Submit the engine thread's job loop unless it runs or has nothing to do (called under the lock)."""
-        if self._worker_on or self._halted or len(self._results) >= MAX_AHEAD:
+    def kick(self) -> None:
+        """Submit the engine thread's job loop unless it runs or has nothing to do (called under ``lock``, on the event
+        loop or by the job loop)."""
+        if self.running or self.halted or len(self.results) >= MAX_AHEAD:
             return
-        inbox = self._inbox
-        if self._unfinished or inbox.aborts or inbox.admissions or inbox.taus is not None:
-            self._executor.submit(self._job_loop)
-            self._worker_on = True
+        inbox = self.inbox
+        if self.unfinished or inbox.aborts or inbox.admissions or inbox.taus is not None:
+            self.executor.submit(self._job_loop)
+            self.running = True
 
     def _job_loop(self) -> None:
         """On the engine's thread: jobs back to back, each with what was staged while the last one ran, as long
@@ -82,36 +89,36 @@ class EngineThread:
         for the event loop); then it returns, and the next staging submits it again."""
         try:
             while True:
-                with self._lock:
+                with self.lock:
                     job = None
-                    if not self._halted and len(self._results) < MAX_AHEAD:
-                        job = self._inbox.take()
-                        if job is None and self._unfinished:
-                            job = Job([], [], {}, {}, 0.0)
+                    if not self.halted and len(self.results) < MAX_AHEAD:
+                        job = self.inbox.take()
+                        if job is None and self.unfinished:
+                            job = Job(aborts=[], admissions=[], requests={}, taus={}, min_confidence=0.0)
                     if job is None:
-                        self._worker_on = False
+                        self.running = False
                         return
                 result: Done | Exception
                 try:
                     result = self._engine_work(job)
                 except Exception as e:  # an engine bug: the event loop fails the live requests
                     result = e
-                with self._lock:
+                with self.lock:
                     if isinstance(result, Exception):
-                        self._unfinished, self._halted = False, True  # until the event loop has seen it
+                        self.unfinished, self.halted = False, True  # until the event loop has seen it
                     else:
-                        self._unfinished = result.unfinished
+                        self.unfinished = result.unfinished
                     self._deliver((job, result))
         except Exception as e:  # a bug of this loop: the event loop's side ends too, and its supervisor
-            with self._lock:    # restarts both
-                self._worker_on = False
+            with self.lock:    # restarts both
+                self.running = False
                 self._deliver(LoopDied(e))
 
     def _deliver(self, result: Result) -> None:
         """Queue a finished job for the event loop and wake it if it may wait (called under the lock)."""
-        self._results.append(result)
-        if len(self._results) == 1 and self._sink is not None:
-            loop, ready = self._sink
+        self.results.append(result)
+        if len(self.results) == 1 and self.sink is not None:
+            loop, ready = self.sink
             with contextlib.suppress(RuntimeError):  # a closed loop: the next one takes the result
                 loop.call_soon_threadsafe(ready.set)
 

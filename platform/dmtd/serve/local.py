@@ -13,7 +13,8 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from dmtd.serve.binding import HOST_ENV
-from dmtd.serve.settings import ServeConfig, engine_default, serve_config
+from dmtd.serve.settings import ServeConfig, engine_default, serve_config, serve_default
+from dmtd_contract.serve_config import DEFAULT_HTTP_PORT
 
 READY_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 
@@ -35,9 +36,9 @@ class StartupError(RuntimeError):
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and HTTP servers bind")
-    p.add_argument("--grpc-port", type=int, default=9000)
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--host", default=serve_default("grpc_host"), help="address the gRPC and HTTP servers bind")
+    p.add_argument("--grpc-port", type=int, default=serve_default("grpc_port"))
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="the OpenAI API and dashboard, served by the gateway process itself (no Serve proxy)")
     p.add_argument("--registry", default=None, help="Redis URL of the variant registry (default: embedded)")
     p.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2)")

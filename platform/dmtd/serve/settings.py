@@ -41,6 +41,11 @@ def engine_default(name: str) -> Any:
     return EngineSettings.model_fields[name].default
 
 
+def serve_default(name: str) -> Any:
+    """The default of a stack setting (``dmtd serve``'s flags show these)."""
+    return ServeConfig.model_fields[name].default
+
+
 def serve_config(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServeConfig:
     """``args`` (``build_app``'s, or ``dmtd serve``'s) validated, with the environment's fallbacks."""
     env = os.environ if environ is None else environ

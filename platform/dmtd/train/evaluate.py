@@ -34,6 +34,7 @@ from dmtd.train.student import DMTDStudent
 from dmtd.variants.build import apply_variant_weights, check_fits_base, read_draft_vocab, variant_verifier
 from dmtd.variants.loader import LoadedModel
 from dmtd.variants.manifest import VariantManifest
+from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT
 
 
 @dataclass(slots=True)
@@ -43,7 +44,7 @@ class EvalConfig:
     taus: list[int] = field(default_factory=lambda: [2, 3, 4])
     num_tf_records: int = 64
     num_prompts: int = 32
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS_DEFAULT
     confidences: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95])
     frontier_taus: list[int] = field(default_factory=lambda: [3, 4])
     speed_prompts: int = 3
