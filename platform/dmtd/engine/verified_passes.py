@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dmtd.engine import lowbit
+from dmtd.engine.draft_policy import DENSE_DRAFT_ROWS
 from dmtd.engine.model import StepContext, project, route_decoding_input
+from dmtd.engine.ops import kernel_path
 from dmtd.engine.runner_part import RunnerPart
 from dmtd.engine.sequence import Sequence
 
@@ -33,6 +35,7 @@ class VerifiedPasses(RunnerPart):
 
     if TYPE_CHECKING:  # the runner's own, and the prefill part's
         def draft_head(self) -> torch.Tensor | lowbit.PackedWeight: ...
+        def tail_head(self) -> torch.Tensor | lowbit.PackedWeight: ...
         def _heads(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor: ...
         def _rows_context(self, kv_rows: torch.Tensor, pos: torch.Tensor, prompt: torch.Tensor) -> StepContext: ...
         def _riding_rows(self, prompts: list[Sequence]) -> RidingRows: ...
@@ -62,9 +65,12 @@ class VerifiedPasses(RunnerPart):
                 x = torch.cat((self.cache.stash_read(s.kv_row, s.num_tail_cached, q), x))
             h = self._draft_stack(x, d.decoding_start, d.num_layers, s.kv_row, q)
             return self._draft_logits(m.norm.forward(h[-1:]), seqs)
+        # many rows: the engine's own weights where its kernel is the faster one (draft_policy.DENSE_DRAFT_ROWS)
+        dense = self.draft_weights is not self.weights and len(seqs) >= DENSE_DRAFT_ROWS.get(kernel_path(), 1 << 30)
+        weights = self.weights if dense else self.draft_weights
         ctx = self._context(kv_rows, torch.tensor([[q] for q in last], device=dev), None)
         x = m.run_layers(m.embed_tokens(ids).to(self.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin, self.kv, ctx,
-                         self.draft_weights)
+                         weights)
         if max(counts) > 1:
             pos, valid = self._right_aligned(last, counts)
             R = pos.shape[1]
@@ -75,16 +81,16 @@ class VerifiedPasses(RunnerPart):
                 if counts[i] > 1:
                     x[i, R - counts[i]: R - 1] = self.cache.stash_read(s.kv_row, s.num_tail_cached, last[i])
             ctx = self._context(kv_rows, pos, valid)
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, self.draft_weights)
-        return self._draft_logits(m.norm.forward(h[:, -1]), seqs)
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, weights)
+        return self._draft_logits(m.norm.forward(h[:, -1]), seqs, dense)
 
-    def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence], dense: bool = False) -> torch.Tensor:
         """The draft head's logits [n, N + E] over the draft vocabulary and then, for greedy rows, the E ids of the
         rows' contexts outside it (``pass_draft_ids`` maps columns to token ids). A restricted vocabulary chosen
         from a corpus misses the words of a prompt's own topic ('refrigerator', 'gears', 'keeper' on the demo's chat
         prompts), each a draft that could only be rejected, and those are the words an answer repeats; their head
         rows cost a few hundred multiply-adds each."""
-        logits = project(h, self.draft_head())
+        logits = project(h, self.tail_head() if dense else self.draft_head())
         self.pass_draft_ids = self.draft_ids
         if self._draft_id_set is None or not self.cfg.context_vocab or not all(s.params.greedy for s in seqs):
             return logits
@@ -157,7 +163,13 @@ class VerifiedPasses(RunnerPart):
                          self.verify_weights)
         xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
         self.cache.stash_write(ctx.write_kv_rows, ctx.write_pos, xt if ctx.write_rows is None else xt[ctx.write_rows])
-        return self.logits(h)
+        if valid is None:
+            return self.logits(h)
+        # the lm_head over the real rows only: one row's drafts widened the whole batch's head to R rows a sequence
+        flat = self.logits(h[valid])
+        logits = flat.new_empty(*pos.shape, flat.shape[-1])  # padding entries: nothing reads them
+        logits[valid] = flat
+        return logits
 
     def _verify_with_prompts(self, seqs: list[Sequence], prompts: list[Sequence]) -> torch.Tensor:
         """:meth:`verify` with prompt rows in the same ``dmtd::rows_layers`` calls: the checks' rows first, then each
