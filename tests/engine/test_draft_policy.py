@@ -212,6 +212,8 @@ def test_a_batchs_check_is_priced_by_the_marginal_cost_of_its_extra_rows():
     for _ in range(4):
         costs.observe_check(16, 2, 1.4)  # every row one draft (num_rows: as if every row were that wide)
     assert costs.row_costs[16] == pytest.approx(0.4, abs=0.02)
+    costs.observe_check(16, 2, 2.0, num_rows=17)  # one slow step with one extra position hardly moves it
+    assert costs.row_costs[16] < 0.5
     alone = PassCosts(checks={(1, 1): 1.0, (1, 3): 1.05})
     alone.observe_check(1, 3, 1.05, num_rows=3)
     assert 1 not in alone.row_costs and alone.check_cost(1, 2) == pytest.approx(1.05)

@@ -61,6 +61,10 @@ class PassCosts:
     # second position is nearly free); priced by the batch's widest row instead, one row's two drafts were charged
     # as if every row of the batch checked three positions
     row_costs: dict[int, float] = field(default_factory=dict)
+    # batch size → decayed sums behind row_costs, a least-squares slope through the origin of a check's extra time (in
+    # row shares) on its extra positions (Σxy, Σx²): a check with one extra position is little evidence (at batch 16
+    # the ±5 % a step's time wanders is ±0.8 of a row share), one with sixteen is much
+    row_sums: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def observe_check(self, batch: int, positions: int, seconds: float, num_rows: int | None = None) -> None:
         """A check of ``batch`` sequences, the widest ``positions`` wide, ``num_rows`` positions in all (default: as
@@ -71,9 +75,11 @@ class PassCosts:
         if not counted or batch <= 1 or rows <= batch or unit is None:
             return
         # a ratio to the one-position check, so the machine's drifting speed cancels
-        cost = (seconds / unit - 1) * batch / (rows - batch)
-        old = self.row_costs.get(batch)
-        self.row_costs[batch] = cost if old is None else self.decay * old + (1 - self.decay) * cost
+        x, y = rows - batch, (seconds / unit - 1) * batch
+        xy, xx = self.row_sums.get(batch, (0.0, 0.0))
+        xy, xx = self.decay * xy + x * y, self.decay * xx + x * x
+        self.row_sums[batch] = (xy, xx)
+        self.row_costs[batch] = xy / xx
 
     def observe_draft(self, batch: int, seconds: float, running: int | None = None) -> None:
         """A draft pass of ``batch`` rows while ``running`` sequences (default: those rows) share the steps."""
