@@ -149,6 +149,7 @@ def test_the_gates_plain_windows_keep_context_drafts_and_the_output():
     ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=30, tau=1))
     costs = PassCosts(checks={(b, r): 1.0 + 0.05 * r for b in range(1, 6) for r in range(1, 8)},
                       drafts={b: 0.3 for b in range(1, 6)}, decay=1.0)
+    costs.use_row_costs = True
     eng = _engine(base, True, costs)
     gate = eng.cycles.draft_gate
     for key in (2, 4):  # drafts measured at half the plain goodput at batch 2 and 3-4: every window plain

@@ -202,7 +202,7 @@ def test_a_gate_window_holds_its_drafts_and_rows_take_its_mode_at_once():
 def test_a_batchs_check_is_priced_by_the_marginal_cost_of_its_extra_rows():
     """At a batch of several, one row's drafts cost the check's measured marginal cost of its extra positions (in
     units of the row's share), not a check in which every row were as wide; alone, the measured width."""
-    costs = PassCosts(decay=0.5)
+    costs = PassCosts(decay=0.5, use_row_costs=True)
     for _ in range(4):
         costs.observe_check(16, 1, 1.0)  # the first passes of a kind are warm-up, not counted
     for _ in range(4):
@@ -217,6 +217,6 @@ def test_a_batchs_check_is_priced_by_the_marginal_cost_of_its_extra_rows():
     alone = PassCosts(checks={(1, 1): 1.0, (1, 3): 1.05})
     alone.observe_check(1, 3, 1.05, num_rows=3)
     assert 1 not in alone.row_costs and alone.check_cost(1, 2) == pytest.approx(1.05)
-    drafts = PassCosts(checks={(16, 1): 1.0}, drafts={16: 0.5}, row_costs={16: 0.25})
+    drafts = PassCosts(checks={(16, 1): 1.0}, drafts={16: 0.5}, row_costs={16: 0.25}, use_row_costs=True)
     # one row's cycle: its share of the check, its two extra positions, its two tails (0.5 s ÷ 16 rows per row share)
     assert drafts.cycle_cost(16, 2) == pytest.approx(1 + 2 * 0.25 + 2 * 0.5)

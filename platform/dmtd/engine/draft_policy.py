@@ -65,6 +65,10 @@ class PassCosts:
     # row shares) on its extra positions (Σxy, Σx²): a check with one extra position is little evidence (at batch 16
     # the ±5 % a step's time wanders is ±0.8 of a row share), one with sixteen is much
     row_sums: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # price checks at a batch by row_costs: off by default — with it (and context drafts in the gate's plain windows)
+    # the adaptive default at batch 16 ran 0.88-0.91x the base against 0.98-1.04x without (Zen 4, 19:47-19:51, two
+    # pairs): it drafted tails for a few rows at a time, whose lone draft passes cost 0.9-1.6 of a step
+    use_row_costs: bool = False
 
     def observe_check(self, batch: int, positions: int, seconds: float, num_rows: int | None = None) -> None:
         """A check of ``batch`` sequences, the widest ``positions`` wide, ``num_rows`` positions in all (default: as
@@ -135,7 +139,7 @@ class PassCosts:
         """A check of ``num_drafts`` drafts alone (no tail passes: context drafts), in the units of cycle_cost: at a
         batch of several, one row's share plus its extra positions at the measured marginal cost (``row_costs``);
         alone, the check of that width as measured (a second position can cost next to nothing or a weight pass)."""
-        if batch > 1 and batch in self.row_costs:
+        if self.use_row_costs and batch > 1 and batch in self.row_costs:
             return 1 + num_drafts * max(0.0, self.row_costs[batch])
         unit = self.checks.get((batch, 1))
         key = (batch, num_drafts + 1)

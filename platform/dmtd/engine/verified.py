@@ -238,13 +238,14 @@ class VerifiedCycles:
         tokens that followed the latest earlier occurrence of the context's last few tokens, where that has more
         expected tokens per cost than the tails' best count. Such drafts cost no tail pass, only the check's
         wider rows; their acceptance is counted apart (per request, per position, from the same prior)."""
-        if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.draft.tokens:
+        if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.draft.tokens \
+                or not (self.draft_gate.allows() or self.pass_costs.use_row_costs):
             return
         # τ bounds a block whoever drafts it (τ = 1: the verifier alone; the controller's fill ratio k / τ)
         most = min(context_drafts.MAX_CONTEXT_DRAFTS, seq.draft_room(self.cfg.max_model_len))
         batch, costs, st = len(self.scheduler.running), self.pass_costs, seq.draft
-        # the batch gate's plain windows keep these drafts: they run no draft pass, so they split no step into a
-        # draft pass and a check, and they are priced at the check's marginal cost of their rows (draft_policy)
+        # with use_row_costs the batch gate's plain windows keep these drafts: they run no draft pass, so they split
+        # no step, priced at the check's marginal cost of their rows (draft_policy; off: measured a loss at batch 16)
         tails = 0 if st.done or not self.draft_gate.allows() else seq.max_drafts(self.cfg.max_model_len)
         bar = expected_tokens(st.accepted_by_pos, st.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
         pick, source = context_drafts.choose(seq, self.ledger.seen, costs, batch, bar, most, self.eos_ids,
