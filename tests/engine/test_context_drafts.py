@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmtd.engine.config import EngineConfig
+from dmtd.engine.draft_gate import _Bucket
 from dmtd.engine.draft_policy import PassCosts
 from dmtd.engine.draft_sources import LOOKUPS
 from dmtd.engine.llm import LLMEngine
@@ -138,3 +139,22 @@ def test_the_policy_takes_context_drafts_only_where_they_pay(mine, engine_wide, 
     eng.cycles.from_context(seq)
     assert (set(seq.draft.sources) <= set(LOOKUPS.values()) and seq.draft.sources != []) is expect
     assert (len(seq.draft.tokens) > 0) is expect
+
+
+def test_the_gates_plain_windows_keep_context_drafts_and_the_output():
+    """Where the batch gate runs plain steps (tails' drafts lost to them at this batch size), the pass-free drafts
+    still run, priced at the check's marginal cost of their rows; the output is still the verifier's."""
+    base = base_model(3, 1.0)
+    prompts = _looping_prompts(3)
+    ref = tiny_engine(base, DMTD).generate(prompts, SamplingParams(max_new_tokens=30, tau=1))
+    costs = PassCosts(checks={(b, r): 1.0 + 0.05 * r for b in range(1, 6) for r in range(1, 8)},
+                      drafts={b: 0.3 for b in range(1, 6)}, decay=1.0)
+    costs.use_row_costs = True
+    eng = _engine(base, True, costs)
+    gate = eng.cycles.draft_gate
+    for key in (2, 4):  # drafts measured at half the plain goodput at batch 2 and 3-4: every window plain
+        gate.buckets[key] = _Bucket(readings=[0.5, 0.5])
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=30, tau=3, exact=True))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert gate.decisions.get("plain pays", 0) > 0 and set(gate.decisions) == {"plain pays"}
+    assert sum(r.num_context_drafted for r in got) > 0 and sum(r.num_context_accepted for r in got) > 0

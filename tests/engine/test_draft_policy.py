@@ -197,3 +197,26 @@ def test_a_gate_window_holds_its_drafts_and_rows_take_its_mode_at_once():
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert gate.decisions.get("measure plain", 0) >= 2 and gate.decisions.get("measure drafts", 0) >= 1
     assert modes and all(modes), modes  # no draft pass in a plain window
+
+
+def test_a_batchs_check_is_priced_by_the_marginal_cost_of_its_extra_rows():
+    """At a batch of several, one row's drafts cost the check's measured marginal cost of its extra positions (in
+    units of the row's share), not a check in which every row were as wide; alone, the measured width."""
+    costs = PassCosts(decay=0.5, use_row_costs=True)
+    for _ in range(4):
+        costs.observe_check(16, 1, 1.0)  # the first passes of a kind are warm-up, not counted
+    for _ in range(4):
+        costs.observe_check(16, 3, 1.1, num_rows=20)  # two rows with two drafts each: 4 extra positions
+    assert costs.row_costs[16] == pytest.approx(0.1 * 16 / 4)
+    assert costs.check_cost(16, 2) == pytest.approx(1 + 2 * 0.4)
+    for _ in range(4):
+        costs.observe_check(16, 2, 1.4)  # every row one draft (num_rows: as if every row were that wide)
+    assert costs.row_costs[16] == pytest.approx(0.4, abs=0.02)
+    costs.observe_check(16, 2, 2.0, num_rows=17)  # one slow step with one extra position hardly moves it
+    assert costs.row_costs[16] < 0.5
+    alone = PassCosts(checks={(1, 1): 1.0, (1, 3): 1.05})
+    alone.observe_check(1, 3, 1.05, num_rows=3)
+    assert 1 not in alone.row_costs and alone.check_cost(1, 2) == pytest.approx(1.05)
+    drafts = PassCosts(checks={(16, 1): 1.0}, drafts={16: 0.5}, row_costs={16: 0.25}, use_row_costs=True)
+    # one row's cycle: its share of the check, its two extra positions, its two tails (0.5 s ÷ 16 rows per row share)
+    assert drafts.cycle_cost(16, 2) == pytest.approx(1 + 2 * 0.25 + 2 * 0.5)

@@ -252,13 +252,17 @@ def exact_section(args: argparse.Namespace, batches: list[int]) -> tuple[list[di
                      "draft_format": e.runner.draft_format or "engine", **best[i], "tok_s_rounds": rounds[i]})
     add_exact_ratios(rows)
     engine = engines[dqs[0]]
+    from dmtd.engine.ops import kernel_path
+
     return rows, {"name": name, "verifier": engine.verifier_name, "draft_vocab": len(spec.draft_vocab or []) or None,
-                  "precision": args.exact_precision}
+                  "precision": args.exact_precision, "kernel_path": kernel_path() if device == "cpu" else None}
 
 
 def print_exact_table(exact: dict[str, Any]) -> None:
     v = exact["variant"]
-    print(f"\nexact profile on {v['name']} (verifier: {v['verifier']}; chat prompts, greedy; output = τ = 1's)")
+    path = f"; kernel path {v['kernel_path']}" if v.get("kernel_path") else ""
+    print(f"\nexact profile on {v['name']} (verifier: {v['verifier']}; chat prompts, greedy; output = τ = 1's{path}; "
+          f"tail c: a draft pass ÷ a τ = 1 step of the same batch)")
     print(f"{'batch':>5} {'system':>12} {'tok/s':>8} {'×τ=1':>6} {'paired':>6} {'bound×':>7} {'of bound':>9} "
           f"{'accept':>7} {'acc/cyc':>7} {'tail c':>7} {'check c':>7} {'gate':>7}")
     for r in exact["rows"]:

@@ -29,6 +29,13 @@ STEADY_CATCH_UP = 2
 # prior for a tail is the engine's weight-byte share plus this (measured on the shipped variant, bf16, int8
 # drafts: bytes 0.15, a whole draft step 0.17-0.19)
 TAIL_PASS_OVERHEAD = 0.05
+# Draft passes of at least this many sequences run on the engine's own weights instead of the drafts' i8dot copy, by
+# kernel path (dmtd.engine.ops.kernel_path; absent: always the copy). i8dot halves the bytes a row reads, which is what
+# a pass of one or two rows waits for; a pass of many rows waits for arithmetic, and where bf16 has its dot-product
+# instruction the engine's kernel is the faster one: products of 16 rows, one layer's, bf16 0.17 ms against i8dot
+# 0.50 ms, the 8k-column draft head 0.19 against 1.2 (Zen 4, 2 threads); a batch-16 draft pass on i8dot cost 0.75-0.83
+# of a plain step. On the avx512 path (bf16 widened to float32) the two were even at 8-16 rows.
+DENSE_DRAFT_ROWS = {"avx512bf16": 4}
 
 
 @dataclass(slots=True)
@@ -48,9 +55,35 @@ class PassCosts:
     # since, so a slow spell then or now does not read as a costly draft for good (measured: adaptive drafting
     # that paid 1.3x on one run of a prompt stopped on the next, the same engine, after such a spell)
     units_at: dict[Any, tuple[tuple[int, int], float]] = field(default_factory=dict)
+    # batch size → running mean cost of one more checked position on one row, in units of a row's share of the
+    # one-position check (unit / batch): the step's measured marginal cost of the extra rows. A batched step that is
+    # compute-bound makes them dear (bf16 at batch 16 on the Zen 4: ~0.24 of a row's share each, where at batch 1 a
+    # second position is nearly free); priced by the batch's widest row instead, one row's two drafts were charged
+    # as if every row of the batch checked three positions
+    row_costs: dict[int, float] = field(default_factory=dict)
+    # batch size → decayed sums behind row_costs, a least-squares slope through the origin of a check's extra time (in
+    # row shares) on its extra positions (Σxy, Σx²): a check with one extra position is little evidence (at batch 16
+    # the ±5 % a step's time wanders is ±0.8 of a row share), one with sixteen is much
+    row_sums: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # price checks at a batch by row_costs: off by default — with it (and context drafts in the gate's plain windows)
+    # the adaptive default at batch 16 ran 0.88-0.91x the base against 0.98-1.04x without (Zen 4, 19:47-19:51, two
+    # pairs): it drafted tails for a few rows at a time, whose lone draft passes cost 0.9-1.6 of a step
+    use_row_costs: bool = False
 
-    def observe_check(self, batch: int, positions: int, seconds: float) -> None:
-        self._mean(self.checks, (batch, positions), seconds, (batch, 1))
+    def observe_check(self, batch: int, positions: int, seconds: float, num_rows: int | None = None) -> None:
+        """A check of ``batch`` sequences, the widest ``positions`` wide, ``num_rows`` positions in all (default: as
+        if every sequence were that wide)."""
+        counted = self._mean(self.checks, (batch, positions), seconds, (batch, 1))
+        rows = batch * positions if num_rows is None else num_rows
+        unit = self.checks.get((batch, 1))
+        if not counted or batch <= 1 or rows <= batch or unit is None:
+            return
+        # a ratio to the one-position check, so the machine's drifting speed cancels
+        x, y = rows - batch, (seconds / unit - 1) * batch
+        xy, xx = self.row_sums.get(batch, (0.0, 0.0))
+        xy, xx = self.decay * xy + x * y, self.decay * xx + x * x
+        self.row_sums[batch] = (xy, xx)
+        self.row_costs[batch] = xy / xx
 
     def observe_draft(self, batch: int, seconds: float, running: int | None = None) -> None:
         """A draft pass of ``batch`` rows while ``running`` sequences (default: those rows) share the steps."""
@@ -103,7 +136,11 @@ class PassCosts:
         return self.check_cost(batch, num_drafts) + num_drafts * self.tail_share(batch, unit)
 
     def check_cost(self, batch: int, num_drafts: int) -> float:
-        """A check of ``num_drafts`` drafts alone (no tail passes: context drafts), in the units of cycle_cost."""
+        """A check of ``num_drafts`` drafts alone (no tail passes: context drafts), in the units of cycle_cost: at a
+        batch of several, one row's share plus its extra positions at the measured marginal cost (``row_costs``);
+        alone, the check of that width as measured (a second position can cost next to nothing or a weight pass)."""
+        if self.use_row_costs and batch > 1 and batch in self.row_costs:
+            return 1 + num_drafts * max(0.0, self.row_costs[batch])
         unit = self.checks.get((batch, 1))
         key = (batch, num_drafts + 1)
         if unit is None or key not in self.checks:

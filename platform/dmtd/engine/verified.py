@@ -159,6 +159,7 @@ class VerifiedCycles:
               prompts: list[Sequence] | None = None) -> list[StepOutput]:
         """A head of verified cycles: check every sequence's drafts and emit its block (``since``: as for draft).
         ``prompts``: prompt chunks that ride along in the same pass (:meth:`dmtd.engine.runner.ModelRunner.verify`)."""
+        num_rows = sum(len(s.draft.tokens) + 1 for s in seqs)  # before the check clears them
         logits, dt = self.timed("verify", lambda s: self.runner.verify(s, prompts), seqs)
         R = logits.shape[1]
         results: list[StepOutput] = []
@@ -197,7 +198,8 @@ class VerifiedCycles:
             if not last.finished and c.confidences[len(events) - 1] >= s.params.min_confidence:
                 self.from_context(s)
         if not prompts:  # a check carrying prompt rows is no check's cost
-            self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt)
+            self.pass_costs.observe_check(len(seqs), R, time.perf_counter() - since if since is not None else dt,
+                                          num_rows)
         return results
 
     def choose(self, seq: Sequence) -> None:
@@ -237,12 +239,14 @@ class VerifiedCycles:
         expected tokens per cost than the tails' best count. Such drafts cost no tail pass, only the check's
         wider rows; their acceptance is counted apart (per request, per position, from the same prior)."""
         if not (self.cfg.context_drafts and self.cfg.adaptive_drafts and seq.params.greedy) or seq.draft.tokens \
-                or not self.draft_gate.allows():
+                or not (self.draft_gate.allows() or self.pass_costs.use_row_costs):
             return
         # τ bounds a block whoever drafts it (τ = 1: the verifier alone; the controller's fill ratio k / τ)
         most = min(context_drafts.MAX_CONTEXT_DRAFTS, seq.draft_room(self.cfg.max_model_len))
         batch, costs, st = len(self.scheduler.running), self.pass_costs, seq.draft
-        tails = 0 if st.done else seq.max_drafts(self.cfg.max_model_len)
+        # with use_row_costs the batch gate's plain windows keep these drafts: they run no draft pass, so they split
+        # no step, priced at the check's marginal cost of their rows (draft_policy; off: measured a loss at batch 16)
+        tails = 0 if st.done or not self.draft_gate.allows() else seq.max_drafts(self.cfg.max_model_len)
         bar = expected_tokens(st.accepted_by_pos, st.drafted_by_pos, tails) / costs.cycle_cost(batch, tails)
         pick, source = context_drafts.choose(seq, self.ledger.seen, costs, batch, bar, most, self.eos_ids,
                                              self.sources)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from dmtd.engine.draft_policy import DENSE_DRAFT_ROWS
 from dmtd.engine.draft_weights import DraftWeights
 from dmtd.engine.model import StepContext, project, route_decoding_input
 from dmtd.engine.model_state import ModelState
+from dmtd.engine.ops import kernel_path
 from dmtd.engine.prefill import PrefillRunner
 from dmtd.engine.sequence import Sequence
 
@@ -45,9 +47,13 @@ class VerifiedPassRunner:
                 x = torch.cat((st.cache.stash_read(s.kv_row, s.num_tail_cached, q), x))
             h = self._draft_stack(x, d.decoding_start, d.num_layers, s.kv_row, q)
             return self._draft_logits(m.norm.forward(h[-1:]), seqs)
+        # many rows: the engine's own weights where its kernel is the faster one (draft_policy.DENSE_DRAFT_ROWS)
+        dense = (self.drafts.layers is not st.weights
+                 and len(seqs) >= DENSE_DRAFT_ROWS.get(kernel_path(), 1 << 30))
+        weights = st.weights if dense else self.drafts.layers
         ctx = st.context(kv_rows, torch.tensor([[q] for q in last], device=dev), None)
         x = m.run_layers(m.embed_tokens(ids).to(st.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin, st.kv, ctx,
-                         self.drafts.layers)
+                         weights)
         if max(counts) > 1:
             pos, valid = st.right_aligned(last, counts)
             R = pos.shape[1]
@@ -58,17 +64,17 @@ class VerifiedPassRunner:
                 if counts[i] > 1:
                     x[i, R - counts[i]: R - 1] = st.cache.stash_read(s.kv_row, s.num_tail_cached, last[i])
             ctx = st.context(kv_rows, pos, valid)
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, st.kv, ctx, self.drafts.layers)
-        return self._draft_logits(m.norm.forward(h[:, -1]), seqs)
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, st.kv, ctx, weights)
+        return self._draft_logits(m.norm.forward(h[:, -1]), seqs, dense)
 
-    def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence], dense: bool = False) -> torch.Tensor:
         """The draft head's logits [n, N + E] over the draft vocabulary and then, for greedy sequences, the E ids of
         their contexts outside it (``pass_draft_ids`` maps columns to token ids). A restricted vocabulary chosen
         from a corpus misses the words of a prompt's own topic ('refrigerator', 'gears', 'keeper' on the demo's chat
         prompts), each a draft that could only be rejected, and those are the words an answer repeats; their head
         rows cost a few hundred multiply-adds each."""
         dw = self.drafts
-        logits = project(h, dw.draft_head())
+        logits = project(h, dw.tail_head() if dense else dw.draft_head())
         dw.pass_ids = dw.ids
         if dw.id_set is None or not self.state.cfg.context_vocab or not all(s.params.greedy for s in seqs):
             return logits
@@ -143,7 +149,13 @@ class VerifiedPassRunner:
                          st.verify_weights)
         xt = route_decoding_input(h_enc, h_think, heads, d.head_input).reshape(-1, h_enc.shape[-1])
         st.cache.stash_write(ctx.write_kv_rows, ctx.write_pos, xt if ctx.write_rows is None else xt[ctx.write_rows])
-        return st.logits(h)
+        if valid is None:
+            return st.logits(h)
+        # the lm_head over the real rows only: one sequence's drafts widened the whole batch's head to R rows each
+        flat = st.logits(h[valid])
+        logits = flat.new_empty(*pos.shape, flat.shape[-1])  # padding entries: nothing reads them
+        logits[valid] = flat
+        return logits
 
     def _verify_with_prompts(self, seqs: list[Sequence], prompts: list[Sequence]) -> torch.Tensor:
         """:meth:`verify` with prompt rows in the same ``dmtd::rows_layers`` calls: the checks' rows first, then each
