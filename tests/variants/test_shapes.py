@@ -176,3 +176,23 @@ def test_a_variant_manifest_declares_the_dmtd_split_of_a_dummy_shape(shape_dirs,
     engine = build_engine(spec, EngineConfig(max_num_seqs=1, max_model_len=128))
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
     assert len(out.token_ids) == 9 and out.mean_block_len > 1.0  # τ = 3 cycles: tails emit their tokens
+
+
+def test_a_bfloat16_replica_holds_its_layer_weights_once_and_writes_the_same_tokens(shape_dirs):
+    from dmtd.engine import lowbit
+    from dmtd.engine.llm import LLMEngine
+
+    if lowbit.weight_format("bfloat16", "none") != "bf16":
+        pytest.skip("no bf16 kernels on this machine: the engine multiplies the dense weights")
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=256, dtype="bfloat16")
+    spec = engine_spec(str(shape_dirs["qwen3"]), "none", decoding_layers=2, dtype=torch.bfloat16, load_format="dummy")
+    two = engine_spec(str(shape_dirs["qwen3"]), "none", decoding_layers=2, dtype=torch.bfloat16, load_format="dummy")
+    packed, dense = build_engine(spec, cfg), LLMEngine(two.loaded.model, two.loaded.tokenizer, two.dmtd, cfg)
+    layer = spec.loaded.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.numel() == 0 and packed.runner.weights[0].gate_up is layer.packed
+    assert two.loaded.model.layers[0].mlp.gate_up_proj.weight.numel() > 0  # the runner packed a copy beside it
+    tok = spec.loaded.tokenizer
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("Once upon a time", "def quicksort(arr):")]
+    for p in (SamplingParams(max_new_tokens=16, tau=1, ignore_eos=True),
+              SamplingParams(max_new_tokens=16, tau=3, exact=True, ignore_eos=True)):
+        assert [r.token_ids for r in packed.generate(prompts, p)] == [r.token_ids for r in dense.generate(prompts, p)]

@@ -174,6 +174,11 @@ class PackedWeight:
         return unpack(self).t()
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """The dense weight's input-major shape ``[K, N]`` (as the model's projections hold it)."""
+        return self.in_features, self.out_features
+
+    @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
@@ -312,7 +317,9 @@ def pack_layers(layers: list, fmt: str) -> list:
 
 def _pack_in_major(w: torch.Tensor | PackedWeight, fmt: str) -> PackedWeight:
     if isinstance(w, PackedWeight):
-        if w.fmt != fmt:
-            raise ConfigError(f"weights already packed as {w.fmt}, asked for {fmt}")
-        return w
+        if w.fmt == fmt:
+            return w
+        if w.fmt == "bf16":  # the model serves bf16 packed weights: their values are the dense bf16 ones
+            return pack(unpack(w), fmt)
+        raise ConfigError(f"weights already packed as {w.fmt}, asked for {fmt}")
     return pack(w.t(), fmt)

@@ -10,6 +10,7 @@ Two ways to run it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -61,10 +62,21 @@ class Proj(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
         nn.init.normal_(self.weight, std=n_in ** -0.5)
+        self.packed: Any = None  # the weight in a packed format (dmtd.engine.lowbit), set by adopt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight)
+        y = project(x, self.served())
         return y if self.bias is None else y + self.bias
+
+    def served(self) -> Any:
+        """The weight every pass multiplies by: the packed one once adopted, else the dense parameter."""
+        return self.weight if self.packed is None else self.packed
+
+    def adopt(self, packed: Any) -> None:
+        """Serve ``packed`` (the same values in a kernel's layout) and free the dense copy: an engine's replica then
+        holds its weights once. The dense parameter becomes empty (no training, no checkpoint from here on)."""
+        self.packed = packed
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 @dataclass(slots=True)
@@ -135,10 +147,10 @@ class DecoderLayer(nn.Module):
     def weights(self) -> LayerWeights:
         at = self.self_attn
         return LayerWeights(
-            self.input_layernorm.weight, at.qkv_proj.weight, at.qkv_proj.bias,
+            self.input_layernorm.weight, at.qkv_proj.served(), at.qkv_proj.bias,
             None if at.q_norm is None else at.q_norm.weight, None if at.k_norm is None else at.k_norm.weight,
-            at.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
-            self.mlp.down_proj.weight,
+            at.o_proj.served(), self.post_attention_layernorm.weight, self.mlp.gate_up_proj.served(),
+            self.mlp.down_proj.served(),
         )
 
 
@@ -316,10 +328,32 @@ class Transformer(nn.Module):
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 
+    @property
+    def packed(self) -> bool:
+        """Whether the layers' projections serve packed weights (:meth:`Proj.adopt`): the dense ones are gone."""
+        return any(p.packed is not None for p in self.modules() if isinstance(p, Proj))
+
+    def pack_projections(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        """Every layer's projections serve ``pack(dense [out, in])`` from here on, their dense copies freed one at a
+        time (:meth:`Proj.adopt`): the engine's kernels read the packed weights on every pass, so a replica holds
+        them once, and packing peaks at the model plus one projection (gpt-fast's quantization handlers' move)."""
+        self._weights, self._fused_args = None, {}
+        with torch.no_grad():
+            for layer in self.layers:
+                at, mlp = layer.self_attn, layer.mlp  # type: ignore[union-attr]
+                for proj in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    if proj.packed is None:
+                        proj.adopt(pack(proj.weight.t()))
+        if self.lm_head is None and self.lm_head_t is not None:
+            self.lm_head_t = self.embed_tokens.weight.detach().t()
+
     def prepare_inference(self) -> Transformer:
-        """Frozen-weights setup for the engine: an input-major copy of tied embeddings for the lm_head."""
+        """Frozen-weights setup for the engine: an input-major copy of tied embeddings for the lm_head (a view of
+        them once the layers are packed: the engine then packs its own head, the dense one is read only for a few
+        columns)."""
         if self.lm_head is None:
-            self.lm_head_t = self.embed_tokens.weight.detach().t().contiguous()
+            w = self.embed_tokens.weight.detach().t()
+            self.lm_head_t = w if self.packed else w.contiguous()
         return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -392,4 +426,6 @@ class Transformer(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`load_hf_state_dict` (unfused HF names), for checkpoints and tests."""
+        if self.packed:
+            raise ValueError("this model serves packed weights (its dense ones were freed): no checkpoint of it")
         return hf_state_dict(self.config, self.state_dict())

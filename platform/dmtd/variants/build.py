@@ -282,9 +282,27 @@ def build_engine(spec: EngineSpec, cfg: EngineConfig | None = None) -> LLMEngine
     cfg = cfg or EngineConfig()
     check_fits("the KV pool and the engine's packed weights", kv_pool_bytes(spec.loaded.config, spec.dmtd, cfg)
                + packed_bytes(spec.loaded.config, cfg), cfg.device)
+    serve_packed(spec, cfg)
     return LLMEngine(spec.loaded.model, spec.loaded.tokenizer, spec.dmtd, cfg, default_tau=spec.default_tau,
                      verifier=spec.verifier, draft_vocab=spec.draft_vocab,
                      phrase_table=spec.phrase_table)
+
+
+def serve_packed(spec: EngineSpec, cfg: EngineConfig) -> None:
+    """Where the engine multiplies by the bf16 kernels (a bfloat16 model on the CPU), pack the model's projections and
+    a base verifier's decoding group in place and free their dense copies, so the replica holds its weights once:
+    the engine's runner then takes the packed ones as they are. Lossless (the packed values are the bf16 ones; the
+    drafts' int8 copy is packed from them as from the dense), and skipped wherever the runner would not pack."""
+    from dmtd.engine import lowbit
+
+    model = spec.loaded.model
+    if (next(model.parameters()).dtype != torch.bfloat16 or cfg.dtype != "bfloat16"
+            or lowbit.weight_format(cfg.dtype, cfg.quant, torch.device(cfg.device).type) != "bf16"
+            or not lowbit.fits(model.layer_weights(), "bf16")):
+        return
+    model.pack_projections(lambda w: lowbit.pack(w, "bf16"))
+    if spec.verifier is not None and spec.verifier.layers is not None:
+        spec.verifier.layers = lowbit.pack_layers(spec.verifier.layers, "bf16")
 
 
 def variant_precision(variant: str | None, dtype: str | None, quant: str | None, device: str,

@@ -47,13 +47,16 @@ PACKED_BYTES = {"bf16": 2.0, "int8": 1.125, "int4": 0.75}
 
 
 def packed_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
-    """The engine's packed copy of the layers' and lm_head's weights (the model keeps its own beside it): none for
-    torch's dense matmuls (float32, or no kernels here)."""
+    """What the engine's packed weights add to the model's: none for torch's dense matmuls (float32, or no kernels
+    here); in bf16 the lm_head's packed copy only (the layers' projections are packed in place, their dense copies
+    freed: dmtd.variants.build.serve_packed); in int8 or int4 a copy of the layers and lm_head beside the model's."""
     from dmtd.engine import lowbit
 
     fmt = lowbit.weight_format(ecfg.dtype, ecfg.quant, torch.device(ecfg.device).type)
     if fmt is None:
         return 0
+    if fmt == "bf16":
+        return int(cfg.vocab_size * cfg.hidden_size * PACKED_BYTES[fmt])
     return int((param_count(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1))
                * PACKED_BYTES.get(fmt, 2.0))
 
