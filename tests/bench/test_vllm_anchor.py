@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dmtd.serve.settings import engine_default
-
 from dmtd.bench import vllm_anchor as va
 from dmtd.bench import vllm_rows as vr
 from dmtd.bench import vllm_workloads as vw
 from dmtd.bench.exact_bench import CHATS
 from dmtd.bench.serve_bench import add_bench_serve_args, run_bench_serve
+from dmtd.serve.settings import engine_default
 
 # the figures `vllm bench serve --save-result --metric-percentiles 50,99` writes, trimmed
 VLLM = {"completed": 8, "failed": 0, "total_input_tokens": 400, "total_output_tokens": 512, "duration": 4.0,

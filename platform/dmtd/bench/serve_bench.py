@@ -74,8 +74,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="--against vllm: which workloads run (chat at each --concurrency; prefix: shared 1,024-token "
                         "prefixes; two-turn: conversations whose second turn carries the first answer)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="--against vllm: our replica's KV pool in GiB (dmtd serve --kv-cache-gib; default: dmtd serve's "
-                        "own), e.g. 4 to match the pool vLLM gets here (VLLM_CPU_KVCACHE_SPACE)")
+                   help="--against vllm: our replica's KV pool in GiB (dmtd serve --kv-cache-gib; default: dmtd "
+                        "serve's own), e.g. 4 to match the pool vLLM gets here (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="--against vllm: 'dummy' runs --model's config with seeded random weights on both sides (ours: "
                         "dmtd serve --load-format dummy; vLLM: its --load-format dummy), a shape from `dmtd shapes "

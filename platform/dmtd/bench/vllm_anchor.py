@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from dmtd.bench.vllm_rows import format_table, make_rows
-from dmtd.serve.settings import engine_default
 from dmtd.bench.vllm_workloads import (
     TWO_TURN,
     Render,
@@ -50,6 +49,7 @@ from dmtd.bench.vllm_workloads import (
     write_dataset,
     write_prompts,
 )
+from dmtd.serve.settings import engine_default
 
 AGAINST = ("vllm",)
 WORKLOADS = ("chat", "prefix", "two-turn")  # --vllm-workloads

@@ -9,8 +9,8 @@ Two ways to run it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -340,8 +340,9 @@ class Transformer(nn.Module):
         self._weights, self._fused_args = None, {}
         with torch.no_grad():
             for layer in self.layers:
-                at, mlp = layer.self_attn, layer.mlp  # type: ignore[union-attr]
-                for proj in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                at, mlp = layer.self_attn, layer.mlp
+                projs: tuple[Proj, ...] = (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)  # type: ignore[union-attr,assignment]
+                for proj in projs:
                     if proj.packed is None:
                         proj.adopt(pack(proj.weight.t()))
         if self.lm_head is None and self.lm_head_t is not None:
