@@ -38,6 +38,8 @@ async def collect(rep: DMTDReplica, r: ReplicaRequest) -> list[Block]:
 
 def test_blocks_carry_the_engines_tokens():
     rep = make_replica()
+    # the replica's telemetry reaches the block delivery that counts each step (set after the loop is built)
+    assert rep.loop.delivery.telemetry is rep.telemetry is rep.loop.telemetry
     blocks = asyncio.run(collect(rep, req("a", 20)))
     solo = tiny_engine(tiny_model(seed=21), DMTD).generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=20,
                                                                                              tau=3))[0]
