@@ -56,7 +56,6 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, controller: TauController, max_queued: int, replica_name: str,
                  telemetry: ReplicaTelemetry | None = None, executor: ThreadPoolExecutor | None = None) -> None:
-        self._telemetry: ReplicaTelemetry | None = None
         self.engine, self.controller = engine, controller
         self.max_queued, self.replica_name = max_queued, replica_name
         self.live: dict[str, Live] = {}
@@ -64,19 +63,17 @@ class EngineLoop:
         self.worker = EngineWorker(engine, executor or engine_executor())
         self.delivery = BlockDelivery(engine=engine, controller=controller, replica_name=replica_name,
                                       telemetry=telemetry, live=self.live, fail=self._fail)
-        self.telemetry = telemetry
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
         self.restarts = 0
 
     @property
     def telemetry(self) -> ReplicaTelemetry | None:
-        """The replica's telemetry, shared with the block delivery (a replica sets it after building the loop)."""
-        return self._telemetry
+        """The replica's telemetry, the block delivery's (one reference: a replica sets it after building the loop)."""
+        return self.delivery.telemetry
 
     @telemetry.setter
     def telemetry(self, tel: ReplicaTelemetry | None) -> None:
-        self._telemetry = tel
         self.delivery.telemetry = tel
 
     @property
