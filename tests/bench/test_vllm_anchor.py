@@ -175,6 +175,9 @@ def test_a_bad_vllm_dtype_exits_2_naming_the_option(capsys):
     with pytest.raises(SystemExit) as e:
         run_bench_serve(parse(["--vllm-configs", "bind"]), "unused")
     assert e.value.code == 2 and "--vllm-configs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        run_bench_serve(parse(["--one-server-at-a-time"]), "unused")
+    assert e.value.code == 2 and "--one-server-at-a-time" in capsys.readouterr().err
 
 
 def test_a_bad_against_value_exits_2_naming_the_option(capsys):

@@ -84,6 +84,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="--against vllm: how vLLM runs, one after another, ours compared with the best: default (its "
                         "defaults: all cores but one to its engine) and bind (every core bound to its engine, "
                         "VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--one-server-at-a-time", action="store_true",
+                   help="--against vllm: our stack runs every workload and stops, then each vLLM configuration "
+                        "(default: both servers up, each workload on vLLM then at once on ours); for shapes whose "
+                        "two servers do not fit the memory together (a 1.7B shape's weights and KV pools on 24 GiB)")
     p.add_argument("--compare-engine", action="store_true",
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
@@ -219,7 +223,8 @@ def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argp
 
 def run_bench_serve(args: argparse.Namespace, default_variant: str) -> dict[str, Any]:
     if getattr(args, "against", None) is None:
-        for opt, default in (("vllm_dtype", "auto"), ("vllm_configs", ",".join(CONFIGS))):
+        for opt, default in (("vllm_dtype", "auto"), ("vllm_configs", ",".join(CONFIGS)),
+                             ("one_server_at_a_time", False)):
             if getattr(args, opt, default) != default:
                 print(f"error: --{opt.replace('_', '-')} sets how --against vllm runs vLLM: add --against vllm",
                       file=sys.stderr)

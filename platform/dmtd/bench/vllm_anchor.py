@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -313,29 +313,47 @@ def run_against(args: argparse.Namespace, default_variant: str) -> dict[str, Any
             return run_two_turn(venv, url, model, model_dir, w, workdir, side, render, firsts)
         return _kept(run_one(venv, url, model, model_dir, w, workdir, side))
 
+    def on_vllm(c: str, each: Callable[[str], None]) -> None:
+        port = free_port()
+        proc = start_vllm(venv, model_dir, port, "smollm2", workdir / f"vllm-serve-{c}.log", dtype, c,
+                          load_format=load_format)
+        try:
+            each(f"http://127.0.0.1:{port}")
+        finally:
+            stop_process(proc)
+
+    alone = getattr(args, "one_server_at_a_time", False)
     info, ours = start_ours(args, args.variant or default_variant, max(w["concurrency"] for w in plan))
     try:
-        for c in configs:
-            port = free_port()
-            proc = start_vllm(venv, model_dir, port, "smollm2", workdir / f"vllm-serve-{c}.log", dtype, c,
-                              load_format=load_format)
-            try:
+        if alone:  # ours first, alone in memory; every configuration's rows compare with these runs
+            mine = [run("dmtd", info["http"], info["variant"], w) for w in plan]
+            results["dmtd"] = {c: mine for c in configs}
+        else:
+            for c in configs:
                 # each workload on vLLM then on ours right after: on a shared machine, a drift of its speed falls
                 # between workloads rather than between the two sides of one row
-                for w in plan:
-                    results["vllm"].setdefault(c, []).append(run(f"vllm-{c}", f"http://127.0.0.1:{port}", "smollm2", w))
-                    results["dmtd"].setdefault(c, []).append(run(f"dmtd-{c}", info["http"], info["variant"], w))
-            finally:
-                stop_process(proc)
+                def both(url: str, c: str = c) -> None:
+                    for w in plan:
+                        results["vllm"].setdefault(c, []).append(run(f"vllm-{c}", url, "smollm2", w))
+                        results["dmtd"].setdefault(c, []).append(run(f"dmtd-{c}", info["http"], info["variant"], w))
+
+                on_vllm(c, both)
     finally:
         stop_stack()
+    if alone:
+        for c in configs:
+            def every(url: str, c: str = c) -> None:
+                results["vllm"][c] = [run(f"vllm-{c}", url, "smollm2", w) for w in plan]
+
+            on_vllm(c, every)
     rows = make_rows(results, plan)
     result = {"against": "vllm", "vllm_version": vllm_version(venv), "model_dir": model_dir, "load_format": load_format,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "client": "vllm bench serve (openai-chat on "
               "/v1/chat/completions; the two-turn workload's turns openai on /v1/completions)",
               "vllm_serve": {"dtype": dtype, "configs": {c: {k: v for k, v in vllm_env(c).items()
                                                            if k.startswith("VLLM_CPU_")} for c in configs}},
-              "dmtd": ours, "workloads": plan, "rows": rows, "workdir": str(workdir), "raw": results}
+              "dmtd": ours, "one_server_at_a_time": alone, "workloads": plan, "rows": rows, "workdir": str(workdir),
+              "raw": results}
     print("\n" + format_table(rows))
     print("(ms; tok/s of output tokens; *: the best vLLM configuration, which ours is compared with; dmtd/best: above "
           "1 is faster for tok/s, below 1 for latencies; ITL is per streamed chunk, TPOT per output token; two-turn: "
