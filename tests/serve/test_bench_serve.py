@@ -140,3 +140,35 @@ def test_the_in_process_engine_runs_the_profile_a_replica_would(smollm2):
             ran[default, policy] = set(seen)
     assert ran == {("exact", "adaptive"): {True}, ("exact", "exact"): {True}, ("exact", "dmtd"): {False},
                    ("dmtd", "adaptive"): {False}, ("dmtd", "exact"): {True}, ("dmtd", "dmtd"): {False}}
+
+
+def test_static_batches_add_the_next_requests_only_when_the_batch_is_done(smollm2):
+    """``--compare-engine``'s static side (arrivals over static batches): the N workers' next requests join only
+    once every request of the batch has finished, so no prefill ever meets a running decode; the closed loop adds a
+    worker's next request at once. Both run the same requests and tokens."""
+    from dmtd.bench.engine_compare import engine_closed_loop
+    from dmtd.bench.serve_bench import POLICIES, PROMPTS
+    from dmtd.engine.config import DMTDConfig, EngineConfig
+    from dmtd.engine.llm import LLMEngine
+    from dmtd.serve.controller import ControllerConfig, TauController
+
+    engine = LLMEngine(smollm2.model, smollm2.tokenizer, DMTDConfig.plain(30, 8, 4),
+                       EngineConfig(max_num_seqs=2, max_model_len=256), default_tau=1)
+    cfg = ControllerConfig(tau_min=1, tau_max=1, rest_tau=1, max_batch=2, itl_slo_ms=60e3)
+    add, running_at_add = engine.add_request, []
+
+    def recording(prompt, params, **kw):  # type: ignore[no-untyped-def]
+        running_at_add.append(engine.num_running + engine.num_waiting)
+        return add(prompt, params, **kw)
+
+    engine.add_request = recording  # type: ignore[method-assign]
+    # three workers on two slots: the third worker's first request runs after the first two's
+    for static in (True, False):
+        running_at_add.clear()
+        res, _ = engine_closed_loop(engine, cfg, POLICIES["tau1"], 3, 2, 5, PROMPTS, TauController(cfg),
+                                    static=static)
+        assert sorted(r["tokens"] for r in res) == [5] * 6
+        if static:  # each batch of three added to an idle engine
+            assert running_at_add == [0, 1, 2, 0, 1, 2]
+        else:  # the first two workers' second requests join while the third's first still runs
+            assert running_at_add[:3] == [0, 1, 2] and running_at_add[3] >= 1

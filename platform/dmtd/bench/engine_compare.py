@@ -46,8 +46,8 @@ def _bounds(cfg: ControllerConfig, lo: int, hi: int) -> tuple[int, int]:
 
 
 def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, policy: tuple[int, int, str], n: int,
-                       per_worker: int, max_new: int, prompts: list[str], ctl: TauController | None = None
-                       ) -> tuple[list[dict[str, Any]], float]:
+                       per_worker: int, max_new: int, prompts: list[str], ctl: TauController | None = None,
+                       static: bool = False) -> tuple[list[dict[str, Any]], float]:
     """N workers × ``per_worker`` chat requests of ``max_new`` tokens (``ignore_eos``), prompts as the serve
     bench picks them (worker w's j-th request asks ``prompts[(100 w + j) % len]``), with ``policy``'s τ bounds
     (0: the controller's) and profile ("": the variant's default, resolved as the replica resolves it: a bench that
@@ -56,12 +56,17 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, policy: tuple[i
     time.
 
     ``ctl``: the controller to drive and feed; pass the same one to every run of a bench, as a replica's one
-    controller sees every request it serves (fixed-τ ones too), so that both sides carry the same history."""
+    controller sees every request it serves (fixed-τ ones too), so that both sides carry the same history.
+
+    ``static``: the same requests as static batches instead of arrivals: the N workers' j-th requests are added
+    together once every (j − 1)-th has finished, so no prefill ever joins a running decode. Arrivals over static, at
+    the same N, is what interleaving chunked prefill with decode costs (the kernel/step issue's ≥ 0.85)."""
     ctl = ctl if ctl is not None else TauController(cfg)
     lo, hi = _bounds(cfg, *policy[:2])
     exact = cfg.profile_of(policy[2]) == "exact"  # as the replica resolves a request's profile
     live: dict[str, _Req] = {}
     results: list[dict[str, Any]] = []
+    waiting: list[tuple[int, int]] = []  # workers' next requests not yet added (static: until the batch is done)
 
     def submit(w: int, j: int) -> None:
         d = ctl.decision
@@ -113,8 +118,11 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, policy: tuple[i
         d = ctl.decision
         for rid in live:
             engine.retune(rid, max(lo, min(hi, d.tau)), d.min_confidence)
-        for w, j in successors:
-            submit(w, j)
+        waiting.extend(successors)
+        if not static or not live:
+            for w, j in waiting:
+                submit(w, j)
+            waiting.clear()
     return results, time.perf_counter() - t_start
 
 

@@ -92,7 +92,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also run each closed-loop workload on an in-process engine (same variant, prompts, "
                         "tokens, τ policy): rows gain engine_tokens_per_s, stack_efficiency (best stack run over best "
                         "engine run), stack_efficiency_paired (median over the repeats of each stack run over the "
-                        "engine run beside it; the pairs alternate which runs first) and engine TTFT. This host's "
+                        "engine run beside it; the pairs alternate which runs first) and engine TTFT; at N > 1 also "
+                        "the same requests on the engine in static batches of N (engine_static_tokens_per_s, "
+                        "arrivals_over_static: what interleaving prefill with decode costs). This host's "
                         "speed drifts by 10-20 %% within seconds: short runs and many repeats pair best, e.g. "
                         "--requests-per-worker 2 --repeats 12")
 
@@ -206,14 +208,15 @@ def open_loop(target: str, policy: str, rate: float, count: int, max_new: int, s
     return results, time.perf_counter() - t0
 
 
-def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+def _engine_run(engine: Any, cfg: Any, ctl: Any, policy: str, n: int, args: argparse.Namespace,
+                static: bool = False) -> dict[str, Any]:
     """One closed-loop run of ``--compare-engine``'s in-process engine: the stack row's workload, summarised the
-    same way, with its CPU and step time per token."""
+    same way, with its CPU and step time per token (``static``: the same requests in static batches of n)."""
     from dmtd.bench.engine_compare import engine_closed_loop
 
     c0 = cpu_snapshot()["client"]
     eres, ewall = engine_closed_loop(engine, cfg, POLICIES[policy], n, args.requests_per_worker, args.max_new_tokens,
-                                     PROMPTS, ctl)
+                                     PROMPTS, ctl, static=static)
     e = summarize(eres, ewall, args.ttft_slo_ms, args.itl_slo_ms)
     e["cpu_ms_per_token"] = (cpu_snapshot()["client"] - c0) * 1e3 / max(e["tokens"], 1)
     for k in ("step_ms", "step_cpu_ms"):  # the stack's engine_step / engine_step_cpu stages
@@ -299,6 +302,7 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
         for policy, n in tqdm(jobs, desc="bench serve", unit="run"):
             tries: list[dict[str, Any]] = []
             engine_tries: list[dict[str, Any]] = []
+            static_tries: list[dict[str, Any]] = []
             # stack and engine in turn, R times each; the pairs alternate which goes first (stack then engine,
             # engine then stack, …), so that a machine whose speed drifts within a pair favours neither side
             for rep in range(max(1, args.repeats) if n > 0 else 1):
@@ -321,6 +325,8 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
                 tries.append(t)
                 if engine is not None and n > 0 and rep % 2 == 0:
                     engine_tries.append(_engine_run(engine, engine_cfg, engine_ctl, policy, n, args))
+                if engine is not None and n > 1:  # the same requests in static batches, right after
+                    static_tries.append(_engine_run(engine, engine_cfg, engine_ctl, policy, n, args, static=True))
             row = max(tries, key=lambda r: r["tokens_per_s"])  # best of the repeats, as bench engine reports
             if len(tries) > 1:
                 row["repeats_tokens_per_s"] = [r["tokens_per_s"] for r in tries]
@@ -333,6 +339,12 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
                 pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(tries, engine_tries, strict=True)]
                 row["stack_efficiency_pairs"] = pairs
                 row["stack_efficiency_paired"] = statistics.median(pairs)
+            if static_tries:  # the engine under arrivals over the same engine in static batches of n
+                best_static = max(static_tries, key=lambda r: r["tokens_per_s"])
+                row["engine_static_tokens_per_s"] = best_static["tokens_per_s"]
+                row["arrivals_over_static"] = row["engine_tokens_per_s"] / best_static["tokens_per_s"]
+                row["arrivals_over_static_paired"] = statistics.median(
+                    a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(engine_tries, static_tries, strict=True))
             rows.append(row)
     finally:
         if started:
@@ -368,6 +380,14 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
                       f"{r['stack_efficiency_paired']:>6.2f} "
                       f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
                       f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
+    if any("arrivals_over_static" in r for r in rows):
+        print(f"\nthe engine under arrivals against static batches (the same requests, all N added together):\n"
+              f"{'N':>4} {'policy':>9} {'arrivals tok/s':>14} {'static tok/s':>12} {'ratio':>6} {'paired':>6}")
+        for r in rows:
+            if "arrivals_over_static" in r:
+                print(f"{r['concurrency']:>4} {r['policy']:>9} {r['engine_tokens_per_s']:>14.1f} "
+                      f"{r['engine_static_tokens_per_s']:>12.1f} {r['arrivals_over_static']:>6.2f} "
+                      f"{r['arrivals_over_static_paired']:>6.2f}")
     cpu_rows = [r for r in rows if "cpu_ms_per_token" in r]
     if cpu_rows:
         print("\nCPU ms per token (stack processes; engine: the in-process engine's run):\n"
