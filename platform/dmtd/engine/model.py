@@ -252,27 +252,34 @@ class Transformer(nn.Module):
     def rows_args(self, weights: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], start: int,
                    end: int) -> tuple[int, list[list[torch.Tensor]]] | None:
         """``dmtd::rows_layers``' packed format and list arguments for layers ``start..end`` (gathered once per
-        weights and cache lists): None where a layer has what the op does not compute (a qkv bias, q/k norms), a
-        projection is not packed, the formats differ, or the KV is not contiguous float32."""
+        weights and cache lists; the qkv biases and q/k norms as float32, empty lists where the model has none): None
+        where a projection is not packed, the formats differ, or the KV is not contiguous float32."""
         key = (id(weights), id(caches), start, end)
         hit = self._fused_args.get(key)
         if hit is not None and hit[0] is weights and hit[1] is caches:
             return hit[2]
-        cols: list[list[torch.Tensor]] = [[] for _ in range(12)]
+        cols: list[list[torch.Tensor]] = [[] for _ in range(15)]
         modes: set[int] = set()
         ok = True
+
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.float().contiguous()
+
         for i in range(start, end):
             w, (k, v) = weights[i], caches[i]
             ps: list[Any] = [p for p in (w.qkv, w.o, w.gate_up, w.down) if not isinstance(p, torch.Tensor)]
-            if (len(ps) < 4 or w.qkv_bias is not None or w.q_norm is not None or w.k_norm is not None
-                    or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous())):
+            if len(ps) < 4 or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
                 ok = False
                 break
             modes |= {int(p.mode) for p in ps}
-            row = (w.ln1.float().contiguous(), ps[0].data, ps[0].scales, ps[1].data, ps[1].scales,
-                   w.ln2.float().contiguous(), ps[2].data, ps[2].scales, ps[3].data, ps[3].scales, k, v)
+            row = (f32(w.ln1), ps[0].data, ps[0].scales, ps[1].data, ps[1].scales,
+                   f32(w.ln2), ps[2].data, ps[2].scales, ps[3].data, ps[3].scales, k, v)
             for c, t in zip(cols, row):
                 c.append(t)
+            for c, opt in zip(cols[12:], (w.qkv_bias, w.q_norm, w.k_norm)):
+                if opt is not None:
+                    c.append(f32(opt))
+        ok = ok and all(len(c) in (0, end - start) for c in cols[12:])  # every layer of the group has them, or none
         out = (modes.pop(), cols) if ok and len(modes) == 1 else None
         self._fused_args[key] = (weights, caches, out)
         return out

@@ -14,18 +14,19 @@ _LIB = torch.library.Library("dmtd", "DEF")
 # y[..., N] = x[..., K] · Wᵀ for a packed weight W (mode 1 bf16, 2 int8 per-group, 3 int4 per-group).
 _LIB.define("linear(Tensor x, Tensor w, Tensor s, int mode) -> Tensor")
 # A draft's layers for one sequence's consecutive positions in one call (dmtd.engine.runner; float32 KV written into
-# the sequence's pages, table[kv_row]; kc/vc [pages, nkv, page_size, hd]).
+# the sequence's pages, table[kv_row]; kc/vc [pages, nkv, page_size, hd]). qkv_b, q_norm, k_norm: float32, empty or
+# one a layer (a Qwen2 qkv bias; Qwen3's per-head norms of q and k before rope).
 _LIB.define("draft_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
-            "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, int kv_row, int read_len, int nh, int nkv, int hd, "
-            "float eps, int mode) -> Tensor")
+            "Tensor(b!)[] vc, Tensor[] qkv_b, Tensor[] q_norm, Tensor[] k_norm, Tensor table, Tensor cos, Tensor sin, "
+            "int kv_row, int read_len, int nh, int nkv, int hd, float eps, int mode) -> Tensor")
 # Decode rows through a layer group (row r: position pos[r] of sequence kv_rows[r], its pages table[kv_rows[r]]; float32
 # KV written) in one call; ``prompt`` [R] flags a prompt's positions (their attention on AMX tiles where the build has
 # them: kernels/attend_amx.h).
 _LIB.define("rows_layers(Tensor h, Tensor[] ln1, Tensor[] qkv_w, Tensor[] qkv_s, Tensor[] o_w, Tensor[] o_s, "
             "Tensor[] ln2, Tensor[] gu_w, Tensor[] gu_s, Tensor[] dn_w, Tensor[] dn_s, Tensor(a!)[] kc, "
-            "Tensor(b!)[] vc, Tensor table, Tensor cos, Tensor sin, Tensor kv_rows, Tensor pos, int nh, int nkv, "
-            "int hd, float eps, int mode, Tensor? prompt=None) -> Tensor")
+            "Tensor(b!)[] vc, Tensor[] qkv_b, Tensor[] q_norm, Tensor[] k_norm, Tensor table, Tensor cos, Tensor sin, "
+            "Tensor kv_rows, Tensor pos, int nh, int nkv, int hd, float eps, int mode, Tensor? prompt=None) -> Tensor")
 # Decode rows' attention over the paged float32 KV cache, each row alone (kernels/attend.h): q [B, nh, hd] ->
 # [B, nh*hd]; rows flagged in ``prompt`` (runs of one sequence's consecutive positions) on AMX tiles where the build
 # has them (kernels/attend_amx.h).

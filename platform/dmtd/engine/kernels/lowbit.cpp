@@ -453,7 +453,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
 // Layers over rows that each hold one position of one sequence, in one call: row r is position pos[r] of sequence
 // slots[r], whose KV pages are table[slots[r]] (rows of one slot hold distinct positions; a row attends to keys 0 .. its own position, those the other
 // rows write in this call included). The same computation as dmtd.engine.model.layer_forward (pre-norm attention
-// with rope and GQA over the float32 KV cache, then a SwiGLU MLP), in float32 throughout — the residual stream
+// with rope and GQA over the float32 KV cache — a qkv bias and per-head q/k norms where the model has them — then
+// a SwiGLU MLP), in float32 throughout — the residual stream
 // too — with the packed projections' kernel, where the TorchScript loop spends ~45 tensor ops a layer on it (about
 // a third of a bf16 decode step of SmolLM2 on 2 cores). Every row is computed alone: the products, the norms and
 // attention give a row the same bits whatever rows share the call, which the exact profile's equality with τ = 1
@@ -573,7 +574,8 @@ void attend_rows(const float* q, const float* kc, const float* vc, const int64_t
 at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                             at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                             at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
-                            at::TensorList vc, const at::Tensor& table_in, const at::Tensor& cos_in,
+                            at::TensorList vc, at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm,
+                            const at::Tensor& table_in, const at::Tensor& cos_in,
                             const at::Tensor& sin_in, const std::vector<int64_t>& rslots, const std::vector<int64_t>& rpos, int64_t nh,
                             int64_t nkv, int64_t hd, double eps_d, int64_t mode,
                             const char* op, const std::vector<uint8_t>& prompt = {}) {
@@ -585,6 +587,10 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
               gu_w.size() == static_cast<size_t>(L) && dn_w.size() == static_cast<size_t>(L) &&
               ln2.size() == static_cast<size_t>(L) && kc.size() == static_cast<size_t>(L) &&
               vc.size() == static_cast<size_t>(L), op, ": one weight of each kind and one KV pair per layer");
+  // optional per layer (Qwen2's qkv bias, Qwen3's per-head q and k norms before rope): none or one a layer
+  TORCH_CHECK((qkv_b.empty() || qkv_b.size() == static_cast<size_t>(L)) && q_norm.size() == k_norm.size() &&
+              (q_norm.empty() || q_norm.size() == static_cast<size_t>(L)), op,
+              ": qkv biases and q/k norms: none, or one a layer");
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   TORCH_CHECK(table.dim() == 2, op, ": the page table is [sequences, pages]");
   const int64_t tw = table.size(1);
@@ -618,9 +624,21 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
       }
     rms_rows(hp, ln1[i].data_ptr<float>(), xp, R, H, eps);
     at::Tensor y = project_rows(x, qkv_w[i], qkv_s[i], mode);  // [R, qd + 2 kvd]
+    if (!qkv_b.empty()) {
+      TORCH_CHECK(qkv_b[i].scalar_type() == at::kFloat && qkv_b[i].numel() == qd + 2 * kvd, op,
+                  ": a qkv bias is float32 [nh·hd + 2·nkv·hd]");
+      y.add_(qkv_b[i]);  // elementwise: a row's bits are its own
+    }
+    const float* qn = q_norm.empty() ? nullptr : q_norm[i].data_ptr<float>();
+    const float* kn = k_norm.empty() ? nullptr : k_norm[i].data_ptr<float>();
+    if (qn != nullptr)
+      TORCH_CHECK(q_norm[i].scalar_type() == at::kFloat && q_norm[i].numel() == hd &&
+                  k_norm[i].scalar_type() == at::kFloat && k_norm[i].numel() == hd, op, ": q/k norms are float32 [hd]");
     float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) {
       float* yr = yp + r * (qd + 2 * kvd);
+      if (qn != nullptr)  // each head's RMS norm over its hd values, in place (rms_block reads a row, then writes it)
+        for (int64_t hh = 0; hh < nh + nkv; ++hh) rms_block<1>(yr + hh * hd, hh < nh ? qn : kn, yr + hh * hd, hd, eps);
       for (int64_t hh = 0; hh < nh + nkv; ++hh) rope_head(yr + hh * hd, cs.data_ptr<float>() + r * hd,
                                                         sn.data_ptr<float>() + r * hd, hd);
       const int64_t page = tp[rslots[r] * tw + rpos[r] / P], off = rpos[r] % P;
@@ -653,15 +671,15 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
 at::Tensor draft_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                         at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                         at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
-                        at::TensorList vc, const at::Tensor& table, const at::Tensor& cos_in,
-                        const at::Tensor& sin_in, int64_t slot,
+                        at::TensorList vc, at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm,
+                        const at::Tensor& table, const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t slot,
                         int64_t read_len, int64_t nh, int64_t nkv, int64_t hd, double eps_d, int64_t mode) {
   const int64_t R = h_in.size(0);
   TORCH_CHECK(R >= 1 && R <= read_len, "dmtd::draft_layers: ", R, " rows for ", read_len, " positions");
   std::vector<int64_t> rslots(R, slot), rpos(R);
   for (int64_t r = 0; r < R; ++r) rpos[r] = read_len - R + r;
-  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, table, cos_in,
-                          sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::draft_layers");
+  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, qkv_b, q_norm,
+                          k_norm, table, cos_in, sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::draft_layers");
 }
 
 // Decode rows through a layer group: row r is position positions[r] of sequence slots[r] (a batch's rows, a check's
@@ -677,7 +695,8 @@ std::vector<uint8_t> prompt_flags(const std::optional<at::Tensor>& flags, int64_
 at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorList qkv_w, at::TensorList qkv_s,
                        at::TensorList o_w, at::TensorList o_s, at::TensorList ln2, at::TensorList gu_w,
                        at::TensorList gu_s, at::TensorList dn_w, at::TensorList dn_s, at::TensorList kc,
-                       at::TensorList vc, const at::Tensor& table, const at::Tensor& cos_in,
+                       at::TensorList vc, at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm,
+                       const at::Tensor& table, const at::Tensor& cos_in,
                        const at::Tensor& sin_in, const at::Tensor& slots_in, const at::Tensor& pos_in, int64_t nh, int64_t nkv, int64_t hd,
                        double eps_d, int64_t mode, const std::optional<at::Tensor>& prompt_in) {
   TORCH_CHECK(h_in.dim() == 2, "dmtd::rows_layers: h [R, H]");
@@ -686,8 +705,9 @@ at::Tensor rows_layers(const at::Tensor& h_in, at::TensorList ln1, at::TensorLis
   TORCH_CHECK(sl.numel() == R && ps.numel() == R, "dmtd::rows_layers: one slot and one position per row");
   std::vector<int64_t> rslots(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + R);
   std::vector<int64_t> rpos(ps.data_ptr<int64_t>(), ps.data_ptr<int64_t>() + R);
-  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, table, cos_in,
-                          sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers", prompt_flags(prompt_in, R));
+  return rows_layers_impl(h_in, ln1, qkv_w, qkv_s, o_w, o_s, ln2, gu_w, gu_s, dn_w, dn_s, kc, vc, qkv_b, q_norm,
+                          k_norm, table, cos_in, sin_in, rslots, rpos, nh, nkv, hd, eps_d, mode, "dmtd::rows_layers",
+                          prompt_flags(prompt_in, R));
 }
 
 }  // namespace
