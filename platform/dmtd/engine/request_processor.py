@@ -48,7 +48,13 @@ class RequestProcessor:
             out = self._tokenise("messages", lambda: self.tokenizer.apply_chat_template(
                 prompt, add_generation_prompt=True, tokenize=True))
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        return self.token_ids(prompt)  # type: ignore[arg-type]
+
+    def token_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """A prompt's token ids, checked against the vocabulary (the engine takes nothing else)."""
+        if isinstance(prompt_token_ids, str) or (prompt_token_ids and isinstance(prompt_token_ids[0], dict)):
+            raise TypeError("a request's prompt is token ids here: encode() makes them of text or chat messages")
+        ids = [int(t) for t in prompt_token_ids]
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestError("prompt_token_ids", f"token ids must be in 0..{self.vocab_size - 1}")
         return ids
