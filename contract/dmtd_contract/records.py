@@ -56,6 +56,10 @@ class ReplicaRequest:
     grammar: str = ""  # the output must match it (llguidance's JSON grammar form); "" = free text
     logprobs: int = -1  # >= 0: each token's log-probability and this many most likely alternatives; -1: none
     prefill_with: str = ""  # a sibling request (same prompt, the OpenAI API's n) whose prefill this one may share
+    # the API the caller speaks, whose names a refusal of the request uses wherever it is raised (the gateway or
+    # the replica): "grpc" (``sampling.temperature``, ``chat.messages[0].content``), "openai-chat" /
+    # "openai-completions" (``temperature``, ``messages[0].content``, ``max_tokens``)
+    field_names: str = "grpc"
 
 
 @dataclass(slots=True)

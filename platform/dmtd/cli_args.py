@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from dmtd.variants.paths import SHIPPED_VARIANTS
+from dmtd_contract.records import MAX_NEW_TOKENS_DEFAULT
 
 EXIT_USAGE = 2
 
@@ -66,7 +67,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS_DEFAULT)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--compare-tau1", action="store_true",

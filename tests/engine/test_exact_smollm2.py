@@ -133,7 +133,7 @@ def arrivals_against_unaligned(engines, prompts, groups, tau, new_tokens, arrive
         ids: list[str] = []
         at = 0
         for n in groups:
-            new = [e.add_request(p, params) for p in prompts[at: at + n]]
+            new = [e.add_request(e.encode(p), params) for p in prompts[at: at + n]]
             at += n
             arrive(e, new)
             ids += new

@@ -137,9 +137,10 @@ def test_sampled_exact_with_a_grammar_stays_valid_json(engines):
 def test_bad_shaping_is_refused_naming_the_field(engines):
     variant, _ = engines
     with pytest.raises(RequestError, match="logit_bias"):
-        variant.add_request(CHAT, SamplingParams(logit_bias={49152: 1.0}))
+        variant.add_request(variant.encode(CHAT), SamplingParams(logit_bias={49152: 1.0}))
     with pytest.raises(RequestError, match="response_format"):
-        variant.add_request(CHAT, SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: @@@"}]}'))
+        variant.add_request(variant.encode(CHAT),
+                            SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: @@@"}]}'))
     with pytest.raises(RequestError, match="top_logprobs"):
         SamplingParams(logprobs=21)
     with pytest.raises(RequestError, match="presence_penalty"):

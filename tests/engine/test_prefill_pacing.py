@@ -77,11 +77,11 @@ def _long_prompt(words: int) -> list[dict[str, str]]:
 def _stream_with_arrivals(e, stream, arrivals, params, arrive_at=(6,)):
     """``stream`` decodes; ``arrivals[i]`` is added at its ``arrive_at[i]``-th step (the last value for the rest);
     every request's tokens."""
-    rid = e.add_request(stream, params[0])
+    rid = e.add_request(e.encode(stream), params[0])
     ids, step = [rid], 0
     when = [arrive_at[min(i, len(arrive_at) - 1)] for i in range(len(arrivals))]
     while e.has_unfinished():
-        ids += [e.add_request(p, q) for p, q, w in zip(arrivals, params[1:], when) if w == step]
+        ids += [e.add_request(e.encode(p), q) for p, q, w in zip(arrivals, params[1:], when) if w == step]
         e.step()
         step += 1
     return [list(e.seqs[r].token_ids[e.seqs[r].prompt_len:]) for r in ids]
@@ -125,9 +125,9 @@ def test_smollm2_prompts_riding_on_checks_give_the_base_models_tokens():
 
 def _tokens_and_logprobs(e, stream, arrivals, params, arrive_at):
     """As :func:`_stream_with_arrivals`; each request's (tokens, log-probabilities), in arrival order."""
-    ids, step, outs = [e.add_request(stream, params[0])], 0, {}
+    ids, step, outs = [e.add_request(e.encode(stream), params[0])], 0, {}
     while e.has_unfinished():
-        ids += [e.add_request(p, q) for p, q, w in zip(arrivals, params[1:], arrive_at) if w == step]
+        ids += [e.add_request(e.encode(p), q) for p, q, w in zip(arrivals, params[1:], arrive_at) if w == step]
         for o in e.step():
             if o.token_id >= 0:
                 outs.setdefault(o.req_id, []).append((o.token_id, o.logprob))
@@ -189,13 +189,13 @@ def test_exact_prompts_drafts_kv_after_the_first_token_is_the_kv_computed_with_i
         e = _smollm2("smollm2-135m-dmtd", "bfloat16", max_num_seqs=5, align_phases=False, align_checks=False,
                      draft_kv_after_first_token=defer)
         ex = [SamplingParams(max_new_tokens=n, exact=True, tau=3, ignore_eos=True) for n in (80, 1, 24)]
-        ids, step = [e.add_request([{"role": "user", "content": CHATS[0]}], ex[0])], 0
+        ids, step = [e.add_request(e.encode([{"role": "user", "content": CHATS[0]}]), ex[0])], 0
         while e.has_unfinished():
             if step == 6:
-                ids += [e.add_request(long_a, ex[1]), e.add_request(long_a, ex[2])]
+                ids += [e.add_request(e.encode(long_a), ex[1]), e.add_request(e.encode(long_a), ex[2])]
             if step == 30:
-                ids.append(e.add_request(long_b, ex[2]))
-                ids.append(e.add_request(long_b, ex[2], prefill_with=ids[-1]))
+                ids.append(e.add_request(e.encode(long_b), ex[2]))
+                ids.append(e.add_request(e.encode(long_b), ex[2], prefill_with=ids[-1]))
             e.step()
             step += 1
         assert e.scheduler.num_rides >= 1 and e.cache_report()["prefix_hits"] >= 1

@@ -84,7 +84,7 @@ def test_many_requests_under_load_with_an_abort_and_bad_requests_get_their_token
     gates = {b.min_confidence for s in streams for b in s}
     assert len(taus) >= 2 and gates == {0.0, 0.6}, (taus, gates)  # the controller's decisions reached them
     assert got == 2 and "error id" in str(err) and isinstance(long_err, RequestFailed)
-    assert long_err.field == "prompt"
+    assert long_err.field == "prompt_token_ids"
     assert_idle(rep, stats)
     assert rep.loop.restarts == 0 and stats["steps"] > 0
 

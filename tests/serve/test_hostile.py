@@ -180,6 +180,43 @@ def test_grpc_corrupt_protobuf_and_invalid_utf8_are_invalid_argument(stack, hear
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
 
 
+def test_a_replicas_refusal_reaches_each_api_in_its_own_names(stack, heartbeat):
+    """Rules only the replica can check (the model's vocabulary, its context) refuse a request in the names of the API
+    it came by, as raised on the replica (the request carries its API): HTTP hears ``logit_bias`` / ``prompt`` /
+    ``messages``, gRPC ``sampling.logit_bias`` / ``chat.messages``; each fails alone, leaving no slot behind."""
+    far = 2_000_000_000  # a token id both edges accept (< 2**31) and no model's vocabulary holds
+    active = stack.replica_stats()["active"]
+    http_cases = [("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(far): 1.0}}, "logit_bias"),
+                  ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(far): 1.0}, "stream": True},
+                   "logit_bias"),
+                  ("/v1/completions", {"prompt": [1, far]}, "prompt"),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]}, "messages")]
+    for path, body, param in http_cases:
+        sent = time.monotonic()
+        r = post(stack, path, {"model": VARIANT, "max_tokens": 4, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error", (body, r.status_code, err)
+        assert err["param"] == param and err["message"].startswith(param + ": "), (param, err)
+        assert not any(n in err["message"] for n in INTERNAL_NAMES), err
+        heartbeat.assert_advances(sent, budget(heartbeat))
+    assert "0.." in post(stack, "/v1/completions", {"prompt": [far], "max_tokens": 4}).json()["error"]["message"]
+    grpc_cases = [({"prompt": "Hi", "logit_bias": {far: 1.0}}, "sampling.logit_bias: token ids must be in 0.."),
+                  ({"messages": [{"role": "user", "content": "word " * 1100}]}, "chat.messages: "),
+                  ({"prompt": "word " * 1100}, "prompt: ")]
+    with DMTDClient(stack.grpc_target) as c:
+        for kwargs, start in grpc_cases:
+            sent = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.generate(max_new_tokens=4, **kwargs))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (kwargs.keys(), e.value.details())
+            assert (e.value.details() or "").startswith(start), (start, e.value.details())
+            heartbeat.assert_advances(sent, budget(heartbeat))
+    deadline = time.monotonic() + 10
+    while stack.replica_stats()["active"] > active:  # nothing refused holds a slot
+        assert time.monotonic() < deadline, stack.replica_stats()
+        time.sleep(0.05)
+
+
 def test_streaming_refusals_are_real_status_codes(stack, heartbeat):
     too_long = {"messages": [{"role": "user", "content": "word " * 1100}], "stream": True, "max_tokens": 4}
     r = post(stack, "/v1/chat/completions", too_long)

@@ -93,7 +93,7 @@ def test_overload_and_bad_requests():
         await first.aclose()  # frees a place
         with pytest.raises(RequestFailed) as bad:
             await collect(rep, req("d", 5, prompt_token_ids=[1] * 300))
-        assert bad.value.field == "prompt" and "context" in str(bad.value)
+        assert bad.value.field == "prompt_token_ids" and "context" in str(bad.value)
         return await second
 
     assert sum(b.k for b in asyncio.run(scenario())) == 5
@@ -157,15 +157,26 @@ def test_a_poison_request_fails_alone_and_the_stream_in_flight_keeps_its_pace():
     assert rep.loop.restarts == 0 and rep.loop.engine.scheduler.num_free_kv_rows == 4
 
 
-def test_bad_types_past_the_gateway_are_named_by_the_replica():
+def test_bad_types_past_the_gateway_are_named_by_the_replica_in_the_requests_api():
     rep = make_replica()
-    cases = [({"seed": "x"}, "seed"), ({"temperature": "0.5"}, "temperature"), ({"stop": [None]}, "stop[0]"),
-             ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"prompt_token_ids": ["a"]}, "prompt_token_ids[0]"),
-             ]
-    for bad, field in cases:
+    grpc = [({"seed": "x"}, "sampling.seed"), ({"temperature": "0.5"}, "sampling.temperature"),
+            ({"stop": [None]}, "stop[0]"), ({"max_new_tokens": 1.5}, "max_new_tokens"),
+            ({"prompt_token_ids": ["a"]}, "prompt_token_ids[0]"), ({"prompt_token_ids": [1] * 300}, "prompt_token_ids"),
+            ({"logprobs": 50}, "logprobs")]
+    completions = [({"seed": "x"}, "seed"), ({"temperature": "0.5"}, "temperature"),
+                   ({"max_new_tokens": 0}, "max_tokens"), ({"prompt_token_ids": [1] * 300}, "prompt"),
+                   ({"prompt_token_ids": [999_999]}, "prompt"),
+                   ({"logprobs": 50}, "logprobs"), ({"request_id": "x" * 200}, "user_request_id")]
+    chat = [({"temperature": 11.0}, "temperature"), ({"logprobs": 50}, "top_logprobs"),
+            ({}, "messages"),  # this engine has no chat template
+            ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role")]
+    cases = [*[(bad, "grpc", f) for bad, f in grpc], *[(bad, "openai-completions", f) for bad, f in completions],
+             *[({"prompt_token_ids": None, "messages": [{"role": "user", "content": "hi"}], **bad}, "openai-chat", f)
+               for bad, f in chat]]
+    for bad, api, field in cases:
         with pytest.raises(RequestFailed) as e:
-            asyncio.run(collect(rep, req("b", **bad)))
-        assert e.value.field == field, (bad, e.value.field, str(e.value))
+            asyncio.run(collect(rep, req("b", field_names=api, **bad)))
+        assert e.value.field == field and str(e.value).startswith(field + ": "), (bad, api, str(e.value))
     with pytest.raises(RequestFailed) as e:  # not a ReplicaRequest at all (a dict, as before the records)
         asyncio.run(collect(rep, {"request_id": "b", "prompt_token_ids": [1]}))
     assert e.value.field == "request" and "dict" in str(e.value)

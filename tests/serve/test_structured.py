@@ -103,7 +103,7 @@ def test_validation_raises_in_the_openai_apis_own_names(chat, body, limits, mess
                    chat, 0.0, Limits(**limits))
     assert str(e.value) == message and e.value.__cause__ is None
     req, _ = parse(chat=chat)
-    req.tau_min, req.tau_max = 3, 2
+    req.tau_min, req.tau_max, req.field_names = 3, 2, "grpc"
     with pytest.raises(InvalidRequest) as g:
         validate(req)
     assert str(g.value) == "cycle.tau_min: must be <= cycle.tau_max (2), got 3" and g.value.field == "cycle.tau_min"

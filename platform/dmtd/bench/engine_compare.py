@@ -74,7 +74,7 @@ def engine_closed_loop(engine: LLMEngine, cfg: ControllerConfig, policy: tuple[i
         i = w * 100 + j
         rid = f"w{w}-{j}"
         live[rid] = _Req(w, j, (lo, hi), time.perf_counter())
-        engine.add_request([{"role": "user", "content": prompts[i % len(prompts)]}],
+        engine.add_request(engine.encode([{"role": "user", "content": prompts[i % len(prompts)]}]),
                            SamplingParams(max_new_tokens=max_new, ignore_eos=True, tau=tau, exact=exact,
                                           min_confidence=d.min_confidence), req_id=rid)
 

@@ -57,7 +57,8 @@ def run_closed(engine: Any, prompts: list[Any], concurrency: int, max_new: int, 
     with tqdm(total=len(prompts), desc=desc, leave=False) as bar:
         while todo or live:
             while todo and len(live) < concurrency:
-                live[engine.add_request(todo.pop(0), params)] = time.perf_counter()
+                added = time.perf_counter()
+                live[engine.add_request(engine.encode(todo.pop(0)), params)] = added
             outs = engine.step()
             peak_running = max(peak_running, len(sch.running))
             for o in outs:

@@ -82,7 +82,7 @@ def closed_loop(engine: Any, prompts: list[str], concurrency: int, max_new: int)
     t0 = time.perf_counter()
     while todo or live:
         while todo and len(live) < concurrency:
-            live[engine.add_request(todo.pop(0), params)] = time.perf_counter()
+            live[engine.add_request(engine.encode(todo.pop(0)), params)] = time.perf_counter()
         for o in engine.step():
             if o.req_id not in live:
                 continue
@@ -103,13 +103,13 @@ def itl_under_long_prompt(engine: Any, long_prompt: str, max_new: int) -> dict[s
     arrival, and the long prompt's time to its first token."""
     from dmtd.engine.sequence import SamplingParams
 
-    rid = engine.add_request(chat("You are helpful.", CHATS[0]),
+    rid = engine.add_request(engine.encode(chat("You are helpful.", CHATS[0])),
                              SamplingParams(max_new_tokens=max_new, exact=True, ignore_eos=True))
     gaps: list[tuple[bool, float]] = []
     last, arrived, step, long_id, t_arrive, ttft = None, False, 0, "", 0.0, 0.0
     while engine.seqs[rid].status.value != "finished" or (long_id and not ttft):
         if step == max_new // 3:
-            long_id = engine.add_request(long_prompt, SamplingParams(max_new_tokens=4, exact=True))
+            long_id = engine.add_request(engine.encode(long_prompt), SamplingParams(max_new_tokens=4, exact=True))
             arrived, t_arrive = True, time.perf_counter()
         for o in engine.step():
             now = time.perf_counter()
@@ -142,7 +142,7 @@ def prefill_step(engine: Any, prompts: list[str], repeats: int = 3) -> float:
 
     best = float("inf")
     for _ in range(repeats):
-        ids = [engine.add_request(p, SamplingParams(max_new_tokens=2, exact=True)) for p in prompts]
+        ids = [engine.add_request(engine.encode(p), SamplingParams(max_new_tokens=2, exact=True)) for p in prompts]
         waiting = set(ids)
         t = time.perf_counter()
         while waiting:

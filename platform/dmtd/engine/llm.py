@@ -113,16 +113,17 @@ class LLMEngine:
         """Token ids of a prompt: raw ids, text, or chat messages (rendered with the chat template)."""
         return self.requests.encode(prompt)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None,
-                    prefill_with: str | None = None) -> str:
-        """Queue a request. ``prefill_with``: a sibling request with the same prompt whose prefill this one shares,
-        if that is still to come (dmtd.engine.forks); else it is prefilled on its own."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    req_id: str | None = None, prefill_with: str | None = None) -> str:
+        """Queue a request for a prompt's token ids (:meth:`encode` makes them of text or chat messages).
+        ``prefill_with``: a sibling request with the same prompt whose prefill this one shares, if that is still to
+        come (dmtd.engine.forks); else it is prefilled on its own."""
         params = params or SamplingParams()
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.seqs:
             raise RequestError("request_id", f"{req_id!r} is already in use")
         tau = params.tau if params.tau is not None else self.default_tau
-        seq = Sequence(req_id, self.encode(prompt), params, tau=tau)
+        seq = Sequence(req_id, self.requests.token_ids(prompt_token_ids), params, tau=tau)
         self.requests.open(seq, params)
         try:
             if not (prefill_with and self.forks.attach(seq, self.seqs.get(prefill_with))):
@@ -195,7 +196,7 @@ class LLMEngine:
     # -- conveniences ---------------------------------------------------------------------------
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
         """Run one request alone (plus whatever else is queued) and yield its step outputs."""
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(self.encode(prompt), params)
         try:
             while True:
                 for o in self.step():
@@ -211,7 +212,7 @@ class LLMEngine:
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
         """Generate for all prompts together (continuous batching) and return results in order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.add_request(self.encode(p), sp) for p, sp in zip(prompts, plist)]
         res = {rid: GenerationResult(rid, list(self.seqs[rid].token_ids), [], "", None) for rid in ids}
         t0 = None
         while any(r.finish_reason is None for r in res.values()):

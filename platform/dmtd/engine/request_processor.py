@@ -5,6 +5,7 @@ events to step outputs — the text delta, stop strings (which end the request),
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,19 +29,43 @@ class RequestProcessor:
         self.requests: dict[str, RequestState] = {}
         self.seqs = SequenceView(self.requests)
 
+    @property
+    def serves_chat(self) -> bool:
+        """Whether the tokenizer renders chat messages (a base model's often has no chat template)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: raw ids, text, or chat messages (rendered with the chat template)."""
+        """Token ids of a prompt: raw ids, text, or chat messages (rendered with the chat template). A prompt that
+        cannot be is refused (:class:`RequestError` naming ``prompt``, ``messages`` or ``prompt_token_ids``)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt", "must not be empty")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return self._tokenise("prompt", lambda: self.tokenizer.encode(prompt, add_special_tokens=False))
         if prompt and isinstance(prompt[0], dict):
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if not self.serves_chat:
+                raise RequestError("messages", "this model has no chat template, so it serves completions only "
+                                               "(send a prompt)")
+            out = self._tokenise("messages", lambda: self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True))
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        return self.token_ids(prompt)  # type: ignore[arg-type]
+
+    def token_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """A prompt's token ids, checked against the vocabulary (the engine takes nothing else)."""
+        if isinstance(prompt_token_ids, str) or (prompt_token_ids and isinstance(prompt_token_ids[0], dict)):
+            raise TypeError("a request's prompt is token ids here: encode() makes them of text or chat messages")
+        ids = [int(t) for t in prompt_token_ids]
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestError("prompt_token_ids", f"token ids must be in 0..{self.vocab_size - 1}")
         return ids
+
+    @staticmethod
+    def _tokenise(field: str, run: Callable[[], Any]) -> Any:
+        """The tokenizer's result; the input's fault (text it cannot take) is a :class:`RequestError`."""
+        try:
+            return run()
+        except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
+            raise RequestError(field, f"cannot be tokenised ({type(e).__name__}: {e})"[:300]) from e
 
     def open(self, seq: Sequence, params: SamplingParams) -> None:
         """The record of a new request: its generator (seeded before anything is queued: a seed torch refuses leaves

@@ -19,7 +19,7 @@ class RequestError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.rule = field, message
 
 
 MAX_TOP_LOGPROBS = 20

@@ -17,7 +17,8 @@ from typing import Any
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.outputs import StepOutput
 from dmtd.engine.sequence import RequestError, SamplingParams
-from dmtd.serve.errors import ReplicaInternalError, RequestFailed
+from dmtd.serve.errors import ReplicaInternalError
+from dmtd.serve.requests import refused
 from dmtd_contract.records import Block, ReplicaRequest, TokenLogprob
 
 log = logging.getLogger("dmtd.replica")
@@ -133,26 +134,15 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
 
 
 
-def serves_chat(engine: Any) -> bool:
-    """Whether ``engine``'s tokenizer renders chat messages (a base model's often has no chat template)."""
-    return bool(getattr(getattr(engine, "tokenizer", None), "chat_template", None))
-
-
 def encode_prompt(engine: LLMEngine, req: ReplicaRequest) -> list[int]:
     """The prompt's token ids, on the engine's thread in the same job as the request's admission: a job of
     its own queued behind the running step, so the request missed the next step too (one step more of
-    TTFT, and its cache row idle for that step, under load)."""
-    name = "chat.messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
+    TTFT, and its cache row idle for that step, under load). A refusal names the input as the request's API does."""
     prompt: Any = req.messages or req.prompt_token_ids or req.prompt
-    if req.messages and not serves_chat(engine):
-        raise RequestFailed(name, f"{name}: this model has no chat template, so it serves completions only (send a "
-                            "prompt: /v1/completions, or the prompt field over gRPC)")
     try:
         return engine.encode(prompt)
     except RequestError as e:
-        raise RequestFailed(e.field, str(e)) from e
-    except (ValueError, TypeError, UnicodeError, KeyError, IndexError) as e:
-        raise RequestFailed(name, f"{name}: cannot be tokenised ({type(e).__name__}: {e})"[:300]) from e
+        raise refused(req, e) from e
     except Exception as e:
         raise internal_error(req.request_id, "tokenising the prompt failed", e) from e
 

@@ -45,6 +45,7 @@ from dmtd.serve.engine_job import Done, Job, Live, Pushed, internal_error
 from dmtd.serve.engine_thread import EngineWorker, LoopDied, engine_executor
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.serve.push import BlockPusher
+from dmtd.serve.requests import names_of, refused
 from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 from dmtd_contract.records import Block, ReplicaRequest
 
@@ -142,7 +143,8 @@ class EngineLoop:
         if len(self.live) >= self.engine.cfg.max_num_seqs + self.max_queued:
             raise Overloaded(retry_after_ms=max(50, int(self.controller.itl_p95_ms() * 32) or 500))
         if req.request_id in self.live:
-            raise RequestFailed("request_id", f"request_id: {req.request_id!r} is already in flight")
+            name = names_of(req).request_id
+            raise RequestFailed(name, f"{name}: {req.request_id!r} is already in flight")
         lo, hi = self._bounds(req)
         live = Live(req=req, queue=asyncio.Queue(), tau_lo=lo, tau_hi=hi,
                     fixed_confidence=req.min_confidence is not None,
@@ -256,10 +258,11 @@ class EngineLoop:
 
     def _reject(self, rid: str, error: BaseException) -> None:
         """End a request its admission refused: the input's fault (``RequestFailed``) or ours (internal)."""
+        live = self.live.get(rid)
         if isinstance(error, (RequestFailed, ReplicaInternalError)):  # already typed (tokenising the prompt)
             self._fail(rid, error)
-        elif isinstance(error, RequestError):
-            self._fail(rid, RequestFailed(error.field, str(error)))
+        elif isinstance(error, RequestError) and live is not None:  # in the names of the request's API
+            self._fail(rid, refused(live.req, error))
         elif isinstance(error, (ValueError, TypeError, OverflowError)):  # a field of the wrong type or range
             self._fail(rid, RequestFailed("request", f"request: rejected by the engine "
                                                      f"({type(error).__name__}: {error})"))

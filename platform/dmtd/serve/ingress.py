@@ -21,7 +21,7 @@ from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.gateway import SERVICE_NAME, GatewayCore, GatewayError, start_grpc_server
 from dmtd.serve.openai_api import error_body, install_openapi, model_profile, read_body
-from dmtd.serve.openai_models import expand, openai_field, openai_text, parse_body
+from dmtd.serve.openai_models import expand, parse_body
 from dmtd.serve.openai_route import OpenAIResponder
 from dmtd.serve.push import BlockSink
 from dmtd.serve.readiness import DRAIN_GRACE_S, Readiness, warm_http
@@ -277,21 +277,18 @@ class Gateway:
             status = 413 if isinstance(e, TooLarge) else 400
             return JSONResponse(error_body(str(e), "invalid_request_error", e.field), status)
         except GatewayError as e:
-            return self._error(e, chat)
+            return self._error(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         responder = OpenAIResponder(self.core, route, body, expand(req, body.n or 1), chat, rid, self._error)
         return await responder.respond(request.headers.get("traceparent"))
 
     @staticmethod
-    def _error(e: GatewayError, chat: bool = False) -> JSONResponse:
+    def _error(e: GatewayError) -> JSONResponse:
         status = HTTP_STATUS.get(e.code.name, 500)
         headers = {"Retry-After": str(max(1, (e.retry_after_ms or 1000) // 1000))} if status == 429 else None
-        message, param = str(e), None
-        if e.field:  # the replica names its own field; the client knows the OpenAI API's
-            param = openai_field(e.field, chat)
-            message = f"{param}: {openai_text(message.removeprefix(e.field + ': '))}"
         kind = "invalid_request_error" if status == 400 else e.code.name.lower()
-        return JSONResponse(error_body(message, kind, param), status, headers=headers)
+        # a replica's refusal names the field as the request's API does (ReplicaRequest.field_names)
+        return JSONResponse(error_body(str(e), kind, e.field), status, headers=headers)
 
 
 async def start_http_server(host: str, port: int, cert: str | None = None,

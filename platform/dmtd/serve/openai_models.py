@@ -24,7 +24,6 @@ from dmtd.serve.requests import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_TOP_LOGPROBS,
-    FieldNames,
     InvalidRequest,
     Limits,
     validate,
@@ -200,36 +199,6 @@ def _invalid(e: ValidationError) -> InvalidRequest:
     return InvalidRequest(field, err["msg"])
 
 
-def openai_names(chat: bool) -> FieldNames:
-    """The OpenAI API's names of the request's fields, in which validation raises (``max_tokens``,
-    ``messages[0].content``, ``temperature``); the input as a whole is ``messages`` or ``prompt``."""
-    return FieldNames(sampling="", cycle="", messages="messages", max_new_tokens="max_tokens",
-                      input="messages" if chat else "prompt", prompt_token_ids="messages" if chat else "prompt")
-
-
-def openai_field(name: str, chat: bool) -> str:
-    """A field name a replica raised in (``max_new_tokens``, ``chat.messages[0].content``: it is called past the
-    edge and knows no API) in the OpenAI API's terms."""
-    if name.startswith("chat.messages"):
-        return "messages" + name[len("chat.messages"):]
-    for prefix in ("sampling.", "cycle."):
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    if name == "max_new_tokens":
-        return "max_tokens"
-    if name in ("input", "prompt", "prompt_token_ids"):
-        return "messages" if chat else "prompt"
-    return name
-
-
-def openai_text(text: str) -> str:
-    """A replica's message (see :func:`openai_field`) with the field names in it in the OpenAI API's terms."""
-    for internal, public in (("chat.messages", "messages"), ("max_new_tokens", "max_tokens"), ("sampling.", ""),
-                             ("cycle.", "")):
-        text = text.replace(internal, public)
-    return text
-
-
 def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
     out = []
     for key, value in (bias or {}).items():
@@ -278,6 +247,7 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_logit_bias(body.logit_bias),
         grammar=grammar_for(body), logprobs=_logprobs(body),
+        field_names="openai-chat" if chat else "openai-completions",
     )
     apply_extras(body, req, body.n or 1)
     if isinstance(body, ChatCompletionRequest):
@@ -289,4 +259,4 @@ def parse_body(raw: bytes, chat: bool, arrival_s: float, limits: Limits) -> tupl
             req.prompt = str(body.prompt[0])
         else:
             req.prompt_token_ids = [int(t) for t in body.prompt]
-    return validate(req, limits, openai_names(chat)), body
+    return validate(req, limits), body

@@ -93,7 +93,7 @@ class OpenAIResponder:
     """Answers one validated request: ``body`` (the OpenAI model), ``reqs`` (one per choice)."""
 
     def __init__(self, core: GatewayCore, route: Route, body: Any, reqs: list[ReplicaRequest], chat: bool,
-                 rid: str, error: Callable[[GatewayError, bool], JSONResponse]) -> None:
+                 rid: str, error: Callable[[GatewayError], JSONResponse]) -> None:
         self.core, self.route, self.body, self.reqs, self.chat, self.rid = core, route, body, reqs, chat, rid
         self.error = error
         self.choices = [_Choice() for _ in reqs]
@@ -104,14 +104,13 @@ class OpenAIResponder:
     async def respond(self, traceparent: str | None) -> Any:
         if len(self.reqs) > 1 and self.core.inflight + len(self.reqs) > self.core.max_inflight:
             return self.error(GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                           f"gateway at capacity for n={len(self.reqs)} streams; retry later", 250),
-                              self.chat)
+                                           f"gateway at capacity for n={len(self.reqs)} streams; retry later", 250))
         blocks = aiter(merged(self.core, self.route, self.reqs, traceparent))
         if self.body.stream:
             try:  # the first block before the headers: a refusal is a real status code, not an event after 200
                 first: tuple[int, Block] | None = await anext(blocks)
             except GatewayError as e:
-                return self.error(e, self.chat)
+                return self.error(e)
             except StopAsyncIteration:
                 first = None
             return StreamingResponse(self._sse(blocks, first), media_type="text/event-stream")
@@ -119,7 +118,7 @@ class OpenAIResponder:
             async for i, b in blocks:
                 self._take(i, b)
         except GatewayError as e:
-            return self.error(e, self.chat)
+            return self.error(e)
         out = []
         for i, c in enumerate(self.choices):
             text = "".join(c.text)

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 from dmtd.engine.sequence import SamplingParams
-from dmtd.serve.engine_job import serves_chat
 
 WARM_TOKENS = 12
 
@@ -22,7 +21,7 @@ def warm_up(engine: Any, tau_max: int, default_profile: str) -> float:
     t = time.perf_counter()
     text = "Say hello in one short sentence."
     # a tokenizer without a chat template (a base model) warms up on the text, which its completions serve
-    prompt: Any = ([{"role": "user", "content": text}] if serves_chat(engine)
+    prompt: Any = ([{"role": "user", "content": text}] if engine.requests.serves_chat
                    else text if getattr(engine, "tokenizer", None) is not None else list(range(1, 9)))
     exact = [default_profile == "exact", default_profile != "exact"]
     params = [SamplingParams(max_new_tokens=WARM_TOKENS, tau=tau, exact=e, ignore_eos=True)
