@@ -32,6 +32,12 @@ INGRESS_GROUP = "ingress"
 SERVE_HTTP_PORT = 8000
 METRICS_PORT = 9464
 """Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""
+DRAIN_FILE = "/tmp/dmtd-drain"
+"""The file an ingress pod's gateway watches (env DMTD_DRAIN_FILE): its preStop creates it (dmtd.serve.pod_drain)."""
+POD_GRACE_S = 90
+"""terminationGracePeriodSeconds of the worker and ingress pods: the preStop's drain, then Ray's own stop."""
+PRE_STOP_TIMEOUT_S = 75
+"""How long the preStop waits for the pod's streams (the gateway's own grace for them is 30 s: DMTD_DRAIN_GRACE_S)."""
 
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import threading
 import time
 
 from dmtd.client import AsyncDMTDClient
 from dmtd_operator import render
 from tests.cluster import kuberay
-from tests.cluster.cluster import RayCluster
+from tests.cluster.cluster import RayCluster, podman
 from tests.cluster.conftest import SPEC, render_target
 from tests.cluster.load import ClosedLoop, StreamResult, balanced, stream
 from tests.cluster.redis_proc import RedisProcess
+from tests.cluster.service import ServiceProxy
 
 LONG_STREAMS, LONG_TOKENS = 6, 96
 
@@ -107,3 +110,91 @@ def test_a_new_variant_version_rolls_replica_by_replica_under_streams(cluster: R
     assert {(r["replica_id"], r["pid"]) for r in cluster.running_replicas("Gateway")}.isdisjoint(gateways)
     app = cluster.serve_details()["applications"]["dmtd"]["deployed_app_config"]
     assert app["args"]["variants"][0]["model"] == "smollm2"
+
+
+def test_a_new_serving_image_switches_over_to_a_new_cluster_under_streams(cluster: RayCluster, registry: RedisProcess,
+                                                                          serving_image: str) -> None:
+    """KubeRay's switch-over (a new ``serving.image`` changes ``rayClusterConfig``): a second RayCluster from the new
+    pod templates, its Serve config submitted, its ingress pods joining the gateway Service once warm (their
+    readiness probe), then the old RayCluster deleted — each old pod's preStop (dmtd.serve.pod_drain: the gateway
+    drains, the pod waits until nothing is in flight), then SIGTERM. KubeRay waits 60 s between the switch and the
+    deletion (RayClusterDeletionDelaySeconds); here the deletion follows at once, which only shortens the overlap.
+
+    Clients know one address, the Service's (tests/cluster/service.py: kube-proxy's choice among ready endpoints):
+    a closed loop throughout, and long streams whose connections the Service had placed on the old ingress pods,
+    in flight when the old cluster is deleted. Asserted: zero failed requests, no connection refused, the long
+    streams whole and on old replicas, each old gateway drained with its streams and none cut, the old pods quiet
+    before their SIGTERM, and the requests after served by the new cluster's replicas, from the new image."""
+    new_image = serving_image.rsplit(":", 1)[0] + ":switch-over"  # the same build, a new reference: a new image
+    podman("tag", serving_image, new_image)
+    spec = copy.deepcopy(SPEC)
+    spec["serving"]["image"] = new_image
+    old_rs = render.ray_service(render_target(registry.url, replicas=2))
+    new_rs = render.ray_service(render_target(registry.url, replicas=1, spec=spec))
+    assert new_rs["spec"]["rayClusterConfig"] != old_rs["spec"]["rayClusterConfig"]  # KubeRay: a new RayCluster
+    new = RayCluster(new_rs, cluster.network, num_workers=1, prefix=f"{cluster.network.name}-v2", host_base=100)
+    old_names = replica_names(cluster)
+    old_ingress = {n.ip for n in cluster.ingress}
+    svc = ServiceProxy().start()
+    svc.add(*old_ingress)
+    svc.wait_ready(old_ingress, 30)
+    marks: dict[str, float] = {}
+    hooks: dict[str, tuple[float, str]] = {}
+
+    def delete_old_cluster() -> None:
+        svc.delete(*old_ingress)  # a deleted pod's endpoint leaves the Service at once
+        pods = [*cluster.ingress, *cluster.workers]
+        threads = [threading.Thread(target=lambda n=n: hooks.__setitem__(n.spec.name, n.terminate())) for n in pods]
+        threads.append(threading.Thread(target=cluster.head.terminate))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(200)
+
+    async def run() -> tuple[list[StreamResult], list[StreamResult]]:
+        loop = ClosedLoop(svc.target, clients=2, max_new_tokens=12).start()
+        marks["new"] = time.monotonic()
+        await asyncio.to_thread(new.start)
+        svc.add(*(n.ip for n in new.ingress))  # the Service's selector matches them; ready once warm
+        await asyncio.to_thread(new.submit, kuberay.serve_config(new_rs))
+        await asyncio.to_thread(new.wait_app, "dmtd", 300, {"DMTDReplica": 1, "Gateway": len(new.ingress)})
+        await asyncio.to_thread(svc.wait_ready, {n.ip for n in new.ingress}, 120)
+        marks["switched"] = time.monotonic()
+        target, options = balanced(cluster.gateways())
+        async with AsyncDMTDClient(target, timeout_s=300, options=options) as client:
+            firsts = [asyncio.Event() for _ in range(LONG_STREAMS)]
+            tasks = [asyncio.create_task(stream(client, 400 + i, LONG_TOKENS, firsts[i]))
+                     for i in range(LONG_STREAMS)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 180)
+            marks["delete"] = time.monotonic()
+            deleting = asyncio.create_task(asyncio.to_thread(delete_old_cluster))
+            long = list(await asyncio.gather(*tasks))
+            await deleting
+        marks["gone"] = time.monotonic()
+        await asyncio.sleep(5)
+        return await loop.stop(), long
+
+    try:
+        short, long = asyncio.run(run())
+        new_names = replica_names(new)
+        images = {podman("inspect", "-f", "{{.ImageName}}", n.spec.name) for n in new.nodes}
+    finally:
+        svc.stop()
+        new.remove()
+        podman("untag", new_image, check=False)
+    failed = [(r.code, r.detail) for r in [*short, *long] if not r.ok or r.tokens != r.expected_tokens]
+    after = [r for r in short if r.started >= marks["gone"]]
+    gateways = {name: json.loads(out.splitlines()[-1]) for name, (_, out) in hooks.items() if "ingress" in name}
+    workers = {name: json.loads(out.splitlines()[-1]) for name, (_, out) in hooks.items() if "worker" in name}
+    print(f"image switch-over: new cluster serving {marks['switched'] - marks['new']:.1f} s after its pods started; "
+          f"old cluster deleted in {marks['gone'] - marks['delete']:.1f} s (preStops "
+          f"{ {n: round(s, 1) for n, (s, _) in hooks.items()} }); {len(short)} requests through the Service, "
+          f"{len(long)} long streams on the old gateways, {len(failed)} failed, {svc.refused} connections refused; "
+          f"{len(after)} requests after; gateways drained: { {n: g['gateway'] for n, g in gateways.items()} }")
+    assert failed == [] and svc.refused == 0, failed[:5]
+    assert {r.replica for r in long} <= old_names  # in flight on the old cluster when it was deleted, and whole
+    assert all(g["quiet"] and g["gateway"]["cut"] == 0 for g in gateways.values()), gateways
+    assert sum(g["gateway"]["in_flight"] for g in gateways.values()) >= 1, gateways  # the drain had streams to wait for
+    assert len(workers) == len(cluster.workers) and all(w["quiet"] for w in workers.values()), workers
+    assert after and {r.replica for r in after} <= new_names and len(new_names) == 1
+    assert images == {new_image}

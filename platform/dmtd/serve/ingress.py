@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
-from dmtd.serve import prefix_router
+from dmtd.serve import pod_drain, prefix_router
 from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.gateway import SERVICE_NAME, GatewayCore, GatewayError, start_grpc_server
@@ -92,6 +92,8 @@ class Gateway:
                            f"{'https' if tls_cert_file else 'http'}://{_loopback(http_host or grpc_host)}:"
                            f"{self.http_port}")
         self._warming = asyncio.get_running_loop().create_task(self.readiness.become_ready(self._warm_all))
+        self._drained: asyncio.Task[dict[str, Any]] | None = None
+        self._drain_watch = pod_drain.watch(self.drain)  # an ingress pod's preStop (dmtd.serve.pod_drain)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
         """Follow the registry: status, canary weight, τ range and default of every served variant."""
@@ -168,7 +170,13 @@ class Gateway:
     async def drain(self, grace_s: float = DRAIN_GRACE_S) -> dict[str, Any]:
         """Stop taking work, let the work in flight finish: probes and gRPC health say not ready at once, new gRPC
         calls are refused (UNAVAILABLE) and new HTTP requests answered 503, the streams in flight (both protocols)
-        finish within ``grace_s`` (then the rest are cut); returns the streams found and those cut."""
+        finish within ``grace_s`` (then the rest are cut); returns the streams found and those cut. Once only: a
+        second call (Serve's shutdown after the pod's preStop drained it) waits for the first's result."""
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_task(self._drain(grace_s))
+        return await asyncio.shield(self._drained)
+
+    async def _drain(self, grace_s: float) -> dict[str, Any]:
         t = time.monotonic()
         found = self.core.inflight
         await self.readiness.drain()
