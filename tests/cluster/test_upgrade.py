@@ -34,6 +34,7 @@ from tests.cluster.redis_proc import RedisProcess
 from tests.cluster.service import ServiceProxy
 
 LONG_STREAMS, LONG_TOKENS = 6, 96
+OLD_STREAMS = 4  # in flight on the old cluster when the switch-over deletes it
 
 
 def replica_names(cluster: RayCluster) -> set[str]:
@@ -162,9 +163,8 @@ def test_a_new_serving_image_switches_over_to_a_new_cluster_under_streams(cluste
         marks["switched"] = time.monotonic()
         target, options = balanced(cluster.gateways())
         async with AsyncDMTDClient(target, timeout_s=300, options=options) as client:
-            firsts = [asyncio.Event() for _ in range(LONG_STREAMS)]
-            tasks = [asyncio.create_task(stream(client, 400 + i, LONG_TOKENS, firsts[i]))
-                     for i in range(LONG_STREAMS)]
+            firsts = [asyncio.Event() for _ in range(OLD_STREAMS)]
+            tasks = [asyncio.create_task(stream(client, 400 + i, LONG_TOKENS, firsts[i])) for i in range(OLD_STREAMS)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 180)
             marks["delete"] = time.monotonic()
             deleting = asyncio.create_task(asyncio.to_thread(delete_old_cluster))
