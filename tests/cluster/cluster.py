@@ -117,13 +117,14 @@ class RayNode:
 
     def terminate(self) -> tuple[float, str]:
         """The pod deleted, as the kubelet stops it: its preStop hook (exec'd in the container, within the grace
-        period), then SIGTERM, then SIGKILL once the grace period is over; the hook's seconds and its output."""
+        period), then SIGTERM, then SIGKILL once the grace period is over; the hook's seconds and its stdout (its stderr
+        when it wrote nothing else)."""
         t0 = time.monotonic()
         out = ""
         if self.spec.pre_stop:
             done = subprocess.run([*PODMAN, "exec", self.spec.name, *self.spec.pre_stop], capture_output=True,
                                   text=True, timeout=self.spec.grace_s + 30)
-            out = (done.stdout + done.stderr).strip()
+            out = done.stdout.strip() or f"(rc {done.returncode}) {done.stderr.strip()[-2000:]}"
         hook_s = time.monotonic() - t0
         left = max(1, int(self.spec.grace_s - hook_s))
         podman("stop", "-t", str(left), self.spec.name, check=False, timeout=left + 60)

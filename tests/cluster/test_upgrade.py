@@ -130,9 +130,9 @@ def test_a_new_serving_image_switches_over_to_a_new_cluster_under_streams(cluste
     podman("tag", serving_image, new_image)
     spec = copy.deepcopy(SPEC)
     spec["serving"]["image"] = new_image
-    old_rs = render.ray_service(render_target(registry.url, replicas=2))
+    spec["variants"][0]["modelUri"] = "smollm2"  # the version in force (the test above rolled it): the image alone
     new_rs = render.ray_service(render_target(registry.url, replicas=1, spec=spec))
-    assert new_rs["spec"]["rayClusterConfig"] != old_rs["spec"]["rayClusterConfig"]  # KubeRay: a new RayCluster
+    assert new_rs["spec"]["rayClusterConfig"] != cluster.ray_service["spec"]["rayClusterConfig"]  # a new RayCluster
     new = RayCluster(new_rs, cluster.network, num_workers=1, prefix=f"{cluster.network.name}-v2", host_base=100)
     old_names = replica_names(cluster)
     old_ingress = {n.ip for n in cluster.ingress}
