@@ -200,6 +200,7 @@ def _env(t: Target, name: str) -> list[Body]:
         env.append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": str(ft.worker_reconnect_timeout_s)})
     if name == "ray-ingress":  # its gateway drains when the preStop creates this file (dmtd.serve.pod_drain)
         env.append({"name": "DMTD_DRAIN_FILE", "value": r.DRAIN_FILE})
+        env.append({"name": "DMTD_DRAIN_DELAY_S", "value": str(r.DRAIN_DELAY_S)})
     if name == "ray-worker":  # a replica's torch threads: its pod's CPUs, not every core of the node (os.cpu_count())
         env.append({"name": "DMTD_TORCH_THREADS", "value": str(worker_cpus(t.spec))})
     ref = t.spec.serving.api_keys_secret

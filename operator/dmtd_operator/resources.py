@@ -34,6 +34,9 @@ METRICS_PORT = 9464
 """Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""
 DRAIN_FILE = "/tmp/dmtd-drain"
 """The file an ingress pod's gateway watches (env DMTD_DRAIN_FILE): its preStop creates it (dmtd.serve.pod_drain)."""
+DRAIN_DELAY_S = 5
+"""How long a draining gateway on an ingress pod still takes new calls, already not ready (env DMTD_DRAIN_DELAY_S):
+its readiness probe's period (2 s) and a margin, so that the gateway Service sends it no client it would refuse."""
 POD_GRACE_S = 90
 """terminationGracePeriodSeconds of the worker and ingress pods: the preStop's drain, then Ray's own stop."""
 PRE_STOP_TIMEOUT_S = 75

@@ -8,13 +8,18 @@ args) is a new code version of *every* deployment of the app (Serve's get_app_co
 runtime env and args), so Serve replaces the replicas and the gateways, one of each at a time (20 % of the target,
 at least one; the next only once the new one runs), each old one drained first (graceful shutdown: its streams
 in flight finish; a gateway goes not-ready, sends GOAWAY and refuses new calls). With two of each, one keeps
-serving while the other is replaced; a client sees that only if it is tied to one gateway address, so the clients
-here balance over both ingress pods as a gRPC client of a headless Service does (load.balanced: round_robin, a
-refused call retried).
+serving while the other is replaced. The clients know one address, the gateway Service's (service.py: kube-proxy's
+pick among the ready ingress pods): a gateway being replaced says not ready at once but takes new calls for
+DMTD_DRAIN_DELAY_S more, until its probe has taken it out of the Service, and a new gateway's constructor returns
+(Serve then stops the next old one) only once a request went through it, so the Service always has a gateway that
+takes calls.
 
-Asserted: zero failed requests (a closed loop of short requests, and long streams started before the submit, each
-run to its length), every replica and gateway afterwards a new process, requests after the roll served by the new
-replicas, the new model in the app's config."""
+Asserted: zero failed requests and no connection refused (a closed loop of short requests, and long streams started
+before the submit, each run to its length), every replica and gateway afterwards a new process, requests after the
+roll served by the new replicas, the new model in the app's config.
+
+A new serving image is the other mechanism, KubeRay's switch-over to a second RayCluster (the second test): the old
+cluster's pods drain in their preStop (dmtd.serve.pod_drain) before their SIGTERM."""
 
 from __future__ import annotations
 
@@ -75,15 +80,17 @@ def test_a_new_variant_version_rolls_replica_by_replica_under_streams(cluster: R
     old_ids = {r["replica_id"] for r in cluster.running_replicas("DMTDReplica")}
     old_names = replica_names(cluster)
     gateways = {(r["replica_id"], r["pid"]) for r in cluster.running_replicas("Gateway")}
-    target, options = balanced(cluster.gateways())
+    svc = ServiceProxy().start()  # the clients know one address: the gateway Service's
+    svc.add(*(n.ip for n in cluster.ingress))
+    svc.wait_ready({n.ip for n in cluster.ingress}, 30)
     spec = copy.deepcopy(SPEC)
     spec["variants"][0]["modelUri"] = "smollm2"  # v2: the embedded model itself (was the shipped variant)
     new_config = kuberay.serve_config(render.ray_service(render_target(registry.url, replicas=2, spec=spec)))
     marks: dict[str, float] = {}
 
     async def run() -> tuple[list[StreamResult], list[StreamResult]]:
-        loop = ClosedLoop(target, clients=2, max_new_tokens=12, options=options).start()
-        async with AsyncDMTDClient(target, timeout_s=300, options=options) as client:
+        loop = ClosedLoop(svc.target, clients=2, max_new_tokens=12).start()
+        async with AsyncDMTDClient(svc.target, timeout_s=300) as client:
             firsts = [asyncio.Event() for _ in range(LONG_STREAMS)]
             tasks = [asyncio.create_task(stream(client, 300 + i, LONG_TOKENS, firsts[i]))
                      for i in range(LONG_STREAMS)]
@@ -97,14 +104,18 @@ def test_a_new_variant_version_rolls_replica_by_replica_under_streams(cluster: R
         await asyncio.sleep(5)
         return await loop.stop(), long
 
-    short, long = asyncio.run(run())
+    try:
+        short, long = asyncio.run(run())
+    finally:
+        svc.stop()
     new_names = replica_names(cluster)
     failed = [(r.code, r.detail) for r in [*short, *long] if not r.ok or r.tokens != r.expected_tokens]
     after = [r for r in short if r.started >= marks["rolled"]]
     print(f"variant v2 rolled in {marks['rolled'] - marks['submit']:.1f} s under load: {len(short)} short requests, "
           f"{len(long)} long streams ({sum(r.replica in old_names for r in long)} on old replicas), "
-          f"{len(failed)} failed; {len(after)} requests after the roll")
-    assert failed == [], failed[:5]
+          f"{len(failed)} failed, {svc.refused} connections refused; {len(after)} requests after the roll; "
+          f"connections by pod {svc.connections}")
+    assert failed == [] and svc.refused == 0, failed[:5]
     assert {r.replica for r in long} <= old_names  # they began on the old replicas and finished there
     assert new_names.isdisjoint(old_names) and len(new_names) == 2
     assert after and {r.replica for r in after} <= new_names

@@ -125,6 +125,8 @@ def test_worker_and_ingress_pods_drain_in_a_pre_stop_before_their_sigterm() -> N
         assert f"http://127.0.0.1:{r.METRICS_PORT}/metrics" in command
     env = {e["name"]: e.get("value") for e in groups[r.INGRESS_GROUP]["containers"][0]["env"]}
     assert env["DMTD_DRAIN_FILE"] == r.DRAIN_FILE  # the file its gateway watches
+    # not ready, yet still taking calls, until its readiness probe (every 2 s) has seen it
+    assert float(env["DMTD_DRAIN_DELAY_S"]) > render.ingress_probe(False)["periodSeconds"]
     assert "DMTD_DRAIN_FILE" not in {e["name"] for e in groups["replicas"]["containers"][0]["env"]}
     head = cluster["headGroupSpec"]["template"]["spec"]
     assert "lifecycle" not in head["containers"][0]  # nothing to drain there: no gateway, no replica

@@ -24,7 +24,7 @@ from dmtd.serve.openai_api import error_body, install_openapi, model_profile, re
 from dmtd.serve.openai_models import expand, openai_field, openai_text, parse_body
 from dmtd.serve.openai_route import OpenAIResponder
 from dmtd.serve.push import BlockSink
-from dmtd.serve.readiness import DRAIN_GRACE_S, Readiness, warm_http
+from dmtd.serve.readiness import DRAIN_DELAY_S, DRAIN_GRACE_S, Readiness, warm_http
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
@@ -39,6 +39,7 @@ http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over
                    redoc_url=None)
 install_openapi(http_app)
 log = logging.getLogger("dmtd.gateway")
+STARTED_WARM_WAIT_S = 60.0
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
                "INTERNAL": 500, "UNAVAILABLE": 503}
 
@@ -94,6 +95,10 @@ class Gateway:
         self._warming = asyncio.get_running_loop().create_task(self.readiness.become_ready(self._warm_all))
         self._drained: asyncio.Task[dict[str, Any]] | None = None
         self._drain_watch = pod_drain.watch(self.drain)  # an ingress pod's preStop (dmtd.serve.pod_drain)
+        # Serve counts this gateway started when the constructor returns, and a rolling update then stops the next
+        # old one: return once a request went through it to a replica (bounded; the probes wait for the rest)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.warm(), STARTED_WARM_WAIT_S)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
         """Follow the registry: status, canary weight, τ range and default of every served variant."""
@@ -179,7 +184,7 @@ class Gateway:
     async def _drain(self, grace_s: float) -> dict[str, Any]:
         t = time.monotonic()
         found = self.core.inflight
-        await self.readiness.drain()
+        await self.readiness.drain(DRAIN_DELAY_S)  # still serving until the probes have seen it
         stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s))  # refuses new calls now
         while self.core.inflight > 0 and time.monotonic() - t < grace_s:
             await asyncio.sleep(0.05)
@@ -243,7 +248,7 @@ class Gateway:
         """503 with Retry-After until the gateway is warm (or while it drains): what probes and clients wait on."""
         if self.readiness.ready:
             return None
-        why = "draining" if self.readiness.draining else "warming up: no request has reached a warm replica yet"
+        why = "draining" if self.readiness.leaving else "warming up: no request has reached a warm replica yet"
         return JSONResponse(error_body(f"not ready ({why})", "unavailable", code="not_ready"), 503,
                             headers={"Retry-After": "1"})
 
@@ -259,7 +264,7 @@ class Gateway:
     async def healthz(self) -> Any:
         """200 once warm (the chart's readiness probe), 503 before and while draining."""
         if not self.readiness.ready:
-            status = "draining" if self.readiness.draining else "warming"
+            status = "draining" if self.readiness.leaving else "warming"
             return JSONResponse({"status": status, **self.readiness.state()}, 503, headers={"Retry-After": "1"})
         return {"status": "ok", "ready_after_s": self.readiness.ready_after_s}
 
