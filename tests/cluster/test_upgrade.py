@@ -10,9 +10,9 @@ at least one; the next only once the new one runs), each old one drained first (
 in flight finish; a gateway goes not-ready, sends GOAWAY and refuses new calls). With two of each, one keeps
 serving while the other is replaced. The clients know one address, the gateway Service's (service.py: kube-proxy's
 pick among the ready ingress pods): a gateway being replaced says not ready at once but takes new calls for
-DMTD_DRAIN_DELAY_S more, until its probe has taken it out of the Service, and a new gateway's constructor returns
-(Serve then stops the next old one) only once a request went through it, so the Service always has a gateway that
-takes calls.
+DMTD_DRAIN_DELAY_S (8 s) more, until its probe has taken it out of the Service and the new gateway Serve started
+just before (the roll goes on once its constructor returns) is warm and ready, so the Service always has a gateway
+that takes calls.
 
 Asserted: zero failed requests and no connection refused (a closed loop of short requests, and long streams started
 before the submit, each run to its length), every replica and gateway afterwards a new process, requests after the

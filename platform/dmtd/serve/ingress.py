@@ -39,7 +39,6 @@ http_app = FastAPI(title="dmtd gateway", description="OpenAI-compatible API over
                    redoc_url=None)
 install_openapi(http_app)
 log = logging.getLogger("dmtd.gateway")
-STARTED_WARM_WAIT_S = 60.0
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
                "INTERNAL": 500, "UNAVAILABLE": 503}
 
@@ -95,10 +94,6 @@ class Gateway:
         self._warming = asyncio.get_running_loop().create_task(self.readiness.become_ready(self._warm_all))
         self._drained: asyncio.Task[dict[str, Any]] | None = None
         self._drain_watch = pod_drain.watch(self.drain)  # an ingress pod's preStop (dmtd.serve.pod_drain)
-        # Serve counts this gateway started when the constructor returns, and a rolling update then stops the next
-        # old one: return once a request went through it to a replica (bounded; the probes wait for the rest)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.warm(), STARTED_WARM_WAIT_S)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
         """Follow the registry: status, canary weight, τ range and default of every served variant."""
@@ -185,7 +180,8 @@ class Gateway:
         t = time.monotonic()
         found = self.core.inflight
         await self.readiness.drain(DRAIN_DELAY_S)  # still serving until the probes have seen it
-        stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s))  # refuses new calls now
+        left_s = max(0.0, grace_s - (time.monotonic() - t))
+        stopping = asyncio.get_running_loop().create_task(self.server.stop(left_s))  # refuses new calls now
         while self.core.inflight > 0 and time.monotonic() - t < grace_s:
             await asyncio.sleep(0.05)
         cut = self.core.inflight
