@@ -115,20 +115,22 @@ class RayNode:
         whole, _, frac = stamp.rstrip("Z").partition(".")
         return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
 
-    def terminate(self) -> tuple[float, str]:
-        """The pod deleted, as the kubelet stops it: its preStop hook (exec'd in the container, within the grace
-        period), then SIGTERM, then SIGKILL once the grace period is over; the hook's seconds and its stdout (its stderr
-        when it wrote nothing else)."""
+    def pre_stop(self) -> tuple[float, str]:
+        """The pod deleted, as the kubelet stops it, first part: its preStop hook exec'd in the container (none: at
+        once); the hook's seconds and its stdout (its stderr when it wrote nothing else)."""
         t0 = time.monotonic()
         out = ""
         if self.spec.pre_stop:
             done = subprocess.run([*PODMAN, "exec", self.spec.name, *self.spec.pre_stop], capture_output=True,
                                   text=True, timeout=self.spec.grace_s + 30)
             out = done.stdout.strip() or f"(rc {done.returncode}) {done.stderr.strip()[-2000:]}"
-        hook_s = time.monotonic() - t0
-        left = max(1, int(self.spec.grace_s - hook_s))
+        return time.monotonic() - t0, out
+
+    def stop(self, after_s: float = 0.0) -> None:
+        """Second part: SIGTERM, then SIGKILL once what is left of the grace period (``after_s`` went to the
+        preStop) is over."""
+        left = max(1, int(self.spec.grace_s - after_s))
         podman("stop", "-t", str(left), self.spec.name, check=False, timeout=left + 60)
-        return hook_s, out
 
     def logs(self, tail: int = 60) -> str:
         out = subprocess.run([*PODMAN, "logs", "--tail", str(tail), self.spec.name], capture_output=True, text=True,

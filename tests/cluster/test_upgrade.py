@@ -33,7 +33,7 @@ from typing import Any
 from dmtd.client import AsyncDMTDClient
 from dmtd_operator import render
 from tests.cluster import kuberay
-from tests.cluster.cluster import RayCluster, podman
+from tests.cluster.cluster import RayCluster, RayNode, podman
 from tests.cluster.conftest import SPEC, render_target
 from tests.cluster.load import ClosedLoop, StreamResult, balanced, stream
 from tests.cluster.redis_proc import RedisProcess
@@ -163,10 +163,17 @@ def test_a_new_serving_image_switches_over_to_a_new_cluster_under_streams(cluste
     hooks: dict[str, tuple[float, str]] = {}
 
     def delete_old_cluster() -> None:
-        svc.delete(*old_ingress)  # a deleted pod's endpoint leaves the Service at once
-        pods = [*cluster.ingress, *cluster.workers]
-        threads = [threading.Thread(target=lambda n=n: hooks.__setitem__(n.spec.name, n.terminate())) for n in pods]
-        threads.append(threading.Thread(target=cluster.head.terminate))
+        """Every old pod at once: the endpoints leave the Service, the preStops run (the head has none), and each pod
+        gets its SIGTERM after its own; returns once every preStop is done (the SIGTERMs, which no client can see
+        any more, go on in the background)."""
+        svc.delete(*old_ingress)
+
+        def delete(n: RayNode) -> None:
+            hooks[n.spec.name] = n.pre_stop()
+            # the package's teardown removes what is still running (Ray in a pod may outwait its SIGTERM)
+            threading.Thread(target=n.stop, args=(hooks[n.spec.name][0],), daemon=True).start()
+
+        threads = [threading.Thread(target=delete, args=(n,)) for n in cluster.nodes]
         for t in threads:
             t.start()
         for t in threads:
@@ -207,7 +214,7 @@ def test_a_new_serving_image_switches_over_to_a_new_cluster_under_streams(cluste
     gateways = {name: hook_result(out) for name, (_, out) in hooks.items() if "ingress" in name}
     workers = {name: hook_result(out) for name, (_, out) in hooks.items() if "worker" in name}
     print(f"image switch-over: new cluster serving {marks['switched'] - marks['new']:.1f} s after its pods started; "
-          f"old cluster deleted in {marks['gone'] - marks['delete']:.1f} s (preStops "
+          f"old cluster drained in {marks['gone'] - marks['delete']:.1f} s (preStops "
           f"{ {n: round(s, 1) for n, (s, _) in hooks.items()} }); {len(short)} requests through the Service, "
           f"{len(long)} long streams on the old gateways, {len(failed)} failed, {svc.refused} connections refused; "
           f"{len(after)} requests after; gateways drained: { {n: g['gateway'] for n, g in gateways.items()} }")
