@@ -102,7 +102,7 @@ def test_a_pod_without_a_gateway_or_metrics_has_nothing_to_wait_for_and_a_busy_o
     assert pod_drain.main(["--metrics-url", pod.url, "--timeout-s", "0.3", "--quiet-s", "0.1"]) == 1
 
 
-def test_no_watch_without_the_variable_and_bad_flags_are_refused(monkeypatch: pytest.MonkeyPatch,
+def test_no_watch_without_the_variable_and_bad_settings_are_refused(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv(pod_drain.DRAIN_FILE_ENV, raising=False)
 
@@ -113,6 +113,9 @@ def test_no_watch_without_the_variable_and_bad_flags_are_refused(monkeypatch: py
         return pod_drain.watch(no_drain)
 
     assert asyncio.run(main()) is None
+    monkeypatch.setenv(pod_drain.DRAIN_FILE_ENV, "/nonexistent-dir/drain")
+    with pytest.raises(OSError, match="DMTD_DRAIN_FILE=/nonexistent-dir/drain: the gateway cannot watch it"):
+        asyncio.run(main())
     with pytest.raises(SystemExit) as e:
         pod_drain.main(["--timeout-s", "5", "--quiet-s", "9"])
     assert e.value.code == 2 and "--quiet-s in [0, timeout-s)" in capsys.readouterr().err

@@ -49,10 +49,13 @@ def watch(drain: Callable[[], Awaitable[dict[str, Any]]], period_s: float = 0.2)
     if not path:
         return None
     trigger = Path(path)
-    # a trigger left from an earlier gateway of this pod would drain this new one at once
-    for stale in (trigger, done_path(trigger)):
-        stale.unlink(missing_ok=True)
-    pid_path(trigger).write_text(str(os.getpid()))
+    try:
+        # a trigger left from an earlier gateway of this pod would drain this new one at once
+        for stale in (trigger, done_path(trigger)):
+            stale.unlink(missing_ok=True)
+        pid_path(trigger).write_text(str(os.getpid()))
+    except OSError as e:
+        raise OSError(f"{DRAIN_FILE_ENV}={path}: the gateway cannot watch it ({e.strerror})") from e
     return asyncio.get_running_loop().create_task(_watch(trigger, drain, period_s))
 
 
