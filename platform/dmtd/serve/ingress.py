@@ -66,6 +66,7 @@ class Gateway:
                                 self.telemetry, Limits(**(limits or {})), self.sink)
         self.keys = ApiKeys.load(api_keys_file)
         self.readiness = await Readiness((SERVICE_NAME, "")).start()  # NOT_SERVING until warm
+        self._drained: asyncio.Task[dict[str, Any]] | None = None  # set before anything below can fail
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
                                                               server_credentials(tls_cert_file, tls_key_file),
                                                               self.readiness.health)
@@ -92,7 +93,6 @@ class Gateway:
                            f"{'https' if tls_cert_file else 'http'}://{_loopback(http_host or grpc_host)}:"
                            f"{self.http_port}")
         self._warming = asyncio.get_running_loop().create_task(self.readiness.become_ready(self._warm_all))
-        self._drained: asyncio.Task[dict[str, Any]] | None = None
         self._drain_watch = pod_drain.watch(self.drain)  # an ingress pod's preStop (dmtd.serve.pod_drain)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
