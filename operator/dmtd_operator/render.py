@@ -178,6 +178,14 @@ def ingress_probe(tls: bool) -> Body:
             "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 1, "successThreshold": 1}
 
 
+def pre_stop() -> Body:
+    """A worker or ingress pod's preStop: drain its gateway (if it runs one) and wait until no stream is in flight on
+    the pod, so that the SIGTERM that follows (it stops Ray there) cuts none — KubeRay's switch-over deleting the old
+    RayCluster after a new serving image, a node drained, a scale-in (dmtd.serve.pod_drain)."""
+    return {"exec": {"command": ["python", "-m", "dmtd.serve.pod_drain", "--timeout-s", str(r.PRE_STOP_TIMEOUT_S),
+                                 "--metrics-url", f"http://127.0.0.1:{r.METRICS_PORT}/metrics"]}}
+
+
 def _env(t: Target, name: str) -> list[Body]:
     worker = name != "ray-head"
     env: list[Body] = [
@@ -190,6 +198,9 @@ def _env(t: Target, name: str) -> list[Body]:
     env.append({"name": "RAY_SERVE_KV_TIMEOUT_S", "value": f"{ft.serve_kv_timeout_s:g}"})
     if worker and ft.enabled:  # workers outwait the head's restart (KubeRay's own default with GCS FT: 600)
         env.append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": str(ft.worker_reconnect_timeout_s)})
+    if name == "ray-ingress":  # its gateway drains when the preStop creates this file (dmtd.serve.pod_drain)
+        env.append({"name": "DMTD_DRAIN_FILE", "value": r.DRAIN_FILE})
+        env.append({"name": "DMTD_DRAIN_DELAY_S", "value": str(r.DRAIN_DELAY_S)})
     if name == "ray-worker":  # a replica's torch threads: its pod's CPUs, not every core of the node (os.cpu_count())
         env.append({"name": "DMTD_TORCH_THREADS", "value": str(worker_cpus(t.spec))})
     ref = t.spec.serving.api_keys_secret
@@ -231,7 +242,9 @@ def ray_service(t: Target) -> Body:
     """The KubeRay RayService (ray.io/v1) running the DMTD Serve application."""
     s = t.spec
     gpus = s.resources.gpus_per_replica
-    worker_pod = _pod(t, _container(t, "ray-worker", s.serving.worker_cpu, s.serving.worker_memory, gpus))
+    worker = _container(t, "ray-worker", s.serving.worker_cpu, s.serving.worker_memory, gpus)
+    worker["lifecycle"] = {"preStop": pre_stop()}
+    worker_pod = _pod(t, worker, terminationGracePeriodSeconds=r.POD_GRACE_S)
     if gpus:
         worker_pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         if s.resources.gpu_type:
@@ -240,6 +253,7 @@ def ray_service(t: Target) -> Body:
     head = _container(t, "ray-head", s.serving.head_cpu, s.serving.head_memory, 0)
     ingress = _container(t, "ray-ingress", s.serving.ingress_cpu, s.serving.ingress_memory, 0)
     ingress["readinessProbe"] = ingress_probe(bool(s.serving.tls_secret))
+    ingress["lifecycle"] = {"preStop": pre_stop()}
     cluster: Body = {
         "rayVersion": s.serving.ray_version,
         "enableInTreeAutoscaling": True,
@@ -284,7 +298,8 @@ def ray_service(t: Target) -> Body:
                             "num-gpus": "0",
                             "resources": json.dumps(json.dumps({r.GATEWAY_RESOURCE: 1})),
                         },
-                        "template": {"metadata": {"labels": labels}, "spec": _pod(t, ingress)},
+                        "template": {"metadata": {"labels": labels},
+                                     "spec": _pod(t, ingress, terminationGracePeriodSeconds=r.POD_GRACE_S)},
                     },
                 ],
             },

@@ -32,6 +32,17 @@ INGRESS_GROUP = "ingress"
 SERVE_HTTP_PORT = 8000
 METRICS_PORT = 9464
 """Where serving pods expose the dmtd_* metrics (the OpenTelemetry Prometheus exporter's default)."""
+DRAIN_FILE = "/tmp/dmtd-drain"
+"""The file an ingress pod's gateway watches (env DMTD_DRAIN_FILE): its preStop creates it (dmtd.serve.pod_drain)."""
+DRAIN_DELAY_S = 8
+"""How long a draining gateway on an ingress pod still takes new calls, already not ready (env DMTD_DRAIN_DELAY_S),
+so that the gateway Service sends it no client it would refuse: its readiness probe's period (2 s), and in Serve's
+rolling update the warm-up of the new gateway that started just before (Serve stops the next old one as soon as the
+new one's constructor returns; it is ready once a request has gone through it)."""
+POD_GRACE_S = 90
+"""terminationGracePeriodSeconds of the worker and ingress pods: the preStop's drain, then Ray's own stop."""
+PRE_STOP_TIMEOUT_S = 75
+"""How long the preStop waits for the pod's streams (the gateway's own grace for them is 30 s: DMTD_DRAIN_GRACE_S)."""
 
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"

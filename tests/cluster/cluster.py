@@ -115,6 +115,23 @@ class RayNode:
         whole, _, frac = stamp.rstrip("Z").partition(".")
         return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + float(f"0.{frac or 0}")
 
+    def pre_stop(self) -> tuple[float, str]:
+        """The pod deleted, as the kubelet stops it, first part: its preStop hook exec'd in the container (none: at
+        once); the hook's seconds and its stdout (its stderr when it wrote nothing else)."""
+        t0 = time.monotonic()
+        out = ""
+        if self.spec.pre_stop:
+            done = subprocess.run([*PODMAN, "exec", self.spec.name, *self.spec.pre_stop], capture_output=True,
+                                  text=True, timeout=self.spec.grace_s + 30)
+            out = done.stdout.strip() or f"(rc {done.returncode}) {done.stderr.strip()[-2000:]}"
+        return time.monotonic() - t0, out
+
+    def stop(self, after_s: float = 0.0) -> None:
+        """Second part: SIGTERM, then SIGKILL once what is left of the grace period (``after_s`` went to the
+        preStop) is over."""
+        left = max(1, int(self.spec.grace_s - after_s))
+        podman("stop", "-t", str(left), self.spec.name, check=False, timeout=left + 60)
+
     def logs(self, tail: int = 60) -> str:
         out = subprocess.run([*PODMAN, "logs", "--tail", str(tail), self.spec.name], capture_output=True, text=True,
                              timeout=60)
@@ -143,6 +160,7 @@ class RayCluster:
     network: PodNetwork
     num_workers: int = 2
     prefix: str = "dmtd"
+    host_base: int = 0  # added to each pod's host number on the network: a second cluster beside the first
     head: RayNode = field(init=False)
     workers: list[RayNode] = field(default_factory=list)
     ingress: list[RayNode] = field(default_factory=list)
@@ -150,19 +168,20 @@ class RayCluster:
     deploy_s: float = 0.0  # serve config submitted until the app runs
 
     def __post_init__(self) -> None:
-        head_ip = self.network.address(10)
+        head_ip = self.network.address(self.host_base + 10)
         uid = f"{self.prefix}-raycluster"  # the RayCluster's UID: the GCS's key prefix in Redis, kept over restarts
         spec = kuberay.node_spec(self.ray_service, "head", f"{self.prefix}-head", head_ip, storage_namespace=uid)
         self.head = RayNode(spec, self.network, head_ip, spec.cpu)
         for i in range(self.num_workers):
-            ip = self.network.address(20 + i)
+            ip = self.network.address(self.host_base + 20 + i)
             wspec = kuberay.node_spec(self.ray_service, "worker", f"{self.prefix}-worker-{i}", head_ip)
             self.workers.append(RayNode(wspec, self.network, ip, wspec.cpu))
         group = kuberay.worker_group(self.ray_service, INGRESS_GROUP)
         for i in range(int(group["minReplicas"])):
             ispec = kuberay.node_spec(self.ray_service, "worker", f"{self.prefix}-ingress-{i}", head_ip,
                                       group_name=INGRESS_GROUP)
-            self.ingress.append(RayNode(ispec, self.network, self.network.address(40 + i), ispec.cpu))
+            self.ingress.append(RayNode(ispec, self.network, self.network.address(self.host_base + 40 + i),
+                                        ispec.cpu))
 
     @property
     def dashboard(self) -> str:

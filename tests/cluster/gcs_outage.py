@@ -118,7 +118,7 @@ def main() -> int:
     node = ray_worker._global_node
     result: dict[str, Any] = {"gcs_external": bool(node.redis_address)}
     with Load(f"127.0.0.1:{grpc_port}") as load:
-        time.sleep(8)
+        time.sleep(4)
         result["t_kill"] = time.time()
         node.kill_gcs_server()
         result["during"] = timed_deploy("probe-during", limit_s=max(1.0, outage_s - 3))

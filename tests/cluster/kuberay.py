@@ -155,6 +155,8 @@ class NodeSpec:
     cpu: float
     memory_bytes: int
     ports: tuple[int, ...]
+    pre_stop: tuple[str, ...] = ()  # the container's lifecycle.preStop exec command, if any
+    grace_s: int = 30  # the pod's terminationGracePeriodSeconds (Kubernetes' default 30)
 
 
 def worker_group(ray_service: dict[str, Any], group_name: str | None = None) -> dict[str, Any]:
@@ -178,9 +180,11 @@ def node_spec(ray_service: dict[str, Any], node_type: NodeType, name: str, head_
     cpu = quantity(res.get("limits", {}).get("cpu") or res.get("requests", {}).get("cpu") or 1)
     memory = _whole(res.get("limits", {}).get("memory") or res.get("requests", {}).get("memory") or "1Gi")
     ft = gcs_fault_tolerance_env(cluster, node_type, storage_namespace or name, secrets)
+    hook = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     return NodeSpec(name, node_type, "headgroup" if node_type == "head" else str(group["groupName"]),
                     container["image"], command, container_env(group, node_type, head_host, command, secrets, ft),
-                    cpu, memory, tuple(int(p["containerPort"]) for p in container.get("ports", [])))
+                    cpu, memory, tuple(int(p["containerPort"]) for p in container.get("ports", [])),
+                    tuple(hook), int(group["template"]["spec"].get("terminationGracePeriodSeconds", 30)))
 
 
 def serve_config(ray_service: dict[str, Any]) -> dict[str, Any]:

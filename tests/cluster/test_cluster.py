@@ -91,7 +91,7 @@ def test_scale_up_under_closed_loop_load_fails_no_request(cluster: RayCluster, r
         await asyncio.to_thread(scale_to, cluster, registry, 2)
         up_s = await asyncio.to_thread(cluster.wait_app, "dmtd", 240, {"DMTDReplica": 2})
         scaled = time.monotonic()
-        await asyncio.sleep(10)
+        await asyncio.sleep(6)
         return await loop.stop(), up_s, scaled - t0
 
     results, up_s, _ = asyncio.run(run())

@@ -25,7 +25,7 @@ from tests.cluster.conftest import render_target
 from tests.cluster.load import ClosedLoop, StreamResult
 from tests.cluster.redis_proc import RedisProcess
 
-DOWN_S = 8.0  # the head's container stays dead this long before KubeRay's new one starts
+DOWN_S = 3.0  # the head's container stays dead this long before KubeRay's new one starts
 AFTER_S = 30.0  # load goes on this long after the new head is ready
 CLIENTS_PER_ENTRY = 2
 
@@ -68,7 +68,7 @@ def test_head_killed_under_load_fails_no_request_through_the_ingress_pods(cluste
 
     async def run() -> tuple[dict[str, list[StreamResult]], tuple[float, str | None], tuple[float, str | None]]:
         loops = {g: ClosedLoop(g, clients=CLIENTS_PER_ENTRY, max_new_tokens=12).start() for g in cluster.gateways()}
-        await asyncio.sleep(5)
+        await asyncio.sleep(3)
         await asyncio.to_thread(cluster.head.kill)
         marks["kill"] = time.monotonic()
         during = await asyncio.to_thread(timed_submit, cluster, decision)

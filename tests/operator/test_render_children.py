@@ -112,6 +112,26 @@ def test_rayservice_carries_scale_tau_and_registry_in_serve_config() -> None:
     assert limits["nvidia.com/gpu"] == "2"
 
 
+def test_worker_and_ingress_pods_drain_in_a_pre_stop_before_their_sigterm() -> None:
+    cluster = render.ray_service(target())["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g["template"]["spec"] for g in cluster["workerGroupSpecs"]}
+    for name in ("replicas", r.INGRESS_GROUP):
+        pod = groups[name]
+        (container,) = pod["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "dmtd.serve.pod_drain"]
+        timeout_s = float(command[command.index("--timeout-s") + 1])
+        assert timeout_s < pod["terminationGracePeriodSeconds"] == r.POD_GRACE_S  # Ray's own stop keeps some time
+        assert f"http://127.0.0.1:{r.METRICS_PORT}/metrics" in command
+    env = {e["name"]: e.get("value") for e in groups[r.INGRESS_GROUP]["containers"][0]["env"]}
+    assert env["DMTD_DRAIN_FILE"] == r.DRAIN_FILE  # the file its gateway watches
+    # not ready, yet still taking calls, until its readiness probe (every 2 s) has seen it
+    assert float(env["DMTD_DRAIN_DELAY_S"]) > render.ingress_probe(False)["periodSeconds"]
+    assert "DMTD_DRAIN_FILE" not in {e["name"] for e in groups["replicas"]["containers"][0]["env"]}
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert "lifecycle" not in head["containers"][0]  # nothing to drain there: no gateway, no replica
+
+
 RAY_SERVICE_SPEC = {"serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy"}
 RAY_CLUSTER_SPEC = {
     "rayVersion",

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -62,6 +63,26 @@ def test_grpc_health_is_not_serving_until_the_warm_up_succeeds_and_again_while_d
 
     ns, s = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
     assert asyncio.run(run()) == [ns, ns, ns, False, s, s, True, {"smol": 0.5}, ns, False, True]
+
+
+def test_a_drain_with_a_delay_says_not_ready_at_once_and_refuses_new_work_only_after_it():
+    async def run() -> list[object]:
+        ready = await Readiness().start()
+
+        async def warm() -> dict[str, float]:
+            return {"smol": 0.1}
+
+        await ready.become_ready(warm)
+        seen: list[object] = [ready.ready, ready.draining]
+        t = time.monotonic()
+        draining = asyncio.get_running_loop().create_task(ready.drain(delay_s=0.3))
+        await asyncio.sleep(0.05)
+        seen += [ready.ready, ready.leaving, ready.draining, ready.state()["draining"]]  # the probe's no, work taken
+        await draining
+        seen += [ready.draining, time.monotonic() - t >= 0.3]
+        return seen
+
+    assert asyncio.run(run()) == [True, False, False, True, False, True, True, True]
 
 
 def test_the_running_stack_reports_ready_with_its_warm_up_on_every_probe(stack):

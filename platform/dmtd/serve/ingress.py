@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
-from dmtd.serve import prefix_router
+from dmtd.serve import pod_drain, prefix_router
 from dmtd.serve.auth import ApiKeys, server_credentials
 from dmtd.serve.binding import bind_serve_internal_grpc
 from dmtd.serve.gateway import SERVICE_NAME, GatewayCore, GatewayError, start_grpc_server
@@ -24,7 +24,7 @@ from dmtd.serve.openai_api import error_body, install_openapi, model_profile, re
 from dmtd.serve.openai_models import expand, parse_body
 from dmtd.serve.openai_route import OpenAIResponder
 from dmtd.serve.push import BlockSink
-from dmtd.serve.readiness import DRAIN_GRACE_S, Readiness, warm_http
+from dmtd.serve.readiness import DRAIN_DELAY_S, DRAIN_GRACE_S, Readiness, warm_http
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge
 from dmtd.serve.routing import Route, Router
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
@@ -66,6 +66,7 @@ class Gateway:
                                 self.telemetry, Limits(**(limits or {})), self.sink)
         self.keys = ApiKeys.load(api_keys_file)
         self.readiness = await Readiness((SERVICE_NAME, "")).start()  # NOT_SERVING until warm
+        self._drained: asyncio.Task[dict[str, Any]] | None = None  # set before anything below can fail
         self.server, self.grpc_port = await start_grpc_server(self.core, grpc_host, grpc_port, self.keys,
                                                               server_credentials(tls_cert_file, tls_key_file),
                                                               self.readiness.health)
@@ -92,6 +93,7 @@ class Gateway:
                            f"{'https' if tls_cert_file else 'http'}://{_loopback(http_host or grpc_host)}:"
                            f"{self.http_port}")
         self._warming = asyncio.get_running_loop().create_task(self.readiness.become_ready(self._warm_all))
+        self._drain_watch = pod_drain.watch(self.drain)  # an ingress pod's preStop (dmtd.serve.pod_drain)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
         """Follow the registry: status, canary weight, τ range and default of every served variant."""
@@ -168,11 +170,18 @@ class Gateway:
     async def drain(self, grace_s: float = DRAIN_GRACE_S) -> dict[str, Any]:
         """Stop taking work, let the work in flight finish: probes and gRPC health say not ready at once, new gRPC
         calls are refused (UNAVAILABLE) and new HTTP requests answered 503, the streams in flight (both protocols)
-        finish within ``grace_s`` (then the rest are cut); returns the streams found and those cut."""
+        finish within ``grace_s`` (then the rest are cut); returns the streams found and those cut. Once only: a
+        second call (Serve's shutdown after the pod's preStop drained it) waits for the first's result."""
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_task(self._drain(grace_s))
+        return await asyncio.shield(self._drained)
+
+    async def _drain(self, grace_s: float) -> dict[str, Any]:
         t = time.monotonic()
         found = self.core.inflight
-        await self.readiness.drain()
-        stopping = asyncio.get_running_loop().create_task(self.server.stop(grace_s))  # refuses new calls now
+        await self.readiness.drain(DRAIN_DELAY_S)  # still serving until the probes have seen it
+        left_s = max(0.0, grace_s - (time.monotonic() - t))
+        stopping = asyncio.get_running_loop().create_task(self.server.stop(left_s))  # refuses new calls now
         while self.core.inflight > 0 and time.monotonic() - t < grace_s:
             await asyncio.sleep(0.05)
         cut = self.core.inflight
@@ -235,7 +244,7 @@ class Gateway:
         """503 with Retry-After until the gateway is warm (or while it drains): what probes and clients wait on."""
         if self.readiness.ready:
             return None
-        why = "draining" if self.readiness.draining else "warming up: no request has reached a warm replica yet"
+        why = "draining" if self.readiness.leaving else "warming up: no request has reached a warm replica yet"
         return JSONResponse(error_body(f"not ready ({why})", "unavailable", code="not_ready"), 503,
                             headers={"Retry-After": "1"})
 
@@ -251,7 +260,7 @@ class Gateway:
     async def healthz(self) -> Any:
         """200 once warm (the chart's readiness probe), 503 before and while draining."""
         if not self.readiness.ready:
-            status = "draining" if self.readiness.draining else "warming"
+            status = "draining" if self.readiness.leaving else "warming"
             return JSONResponse({"status": status, **self.readiness.state()}, 503, headers={"Retry-After": "1"})
         return {"status": "ok", "ready_after_s": self.readiness.ready_after_s}
 

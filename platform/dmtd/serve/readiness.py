@@ -22,6 +22,9 @@ log = logging.getLogger("dmtd.gateway")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 DRAIN_GRACE_S = float(os.environ.get("DMTD_DRAIN_GRACE_S", "30"))
 """How long a draining gateway lets its streams in flight finish (Serve's graceful shutdown waits a little longer)."""
+DRAIN_DELAY_S = float(os.environ.get("DMTD_DRAIN_DELAY_S", "0"))
+"""How long a draining gateway, already not ready, still takes new work: until the load balancer's probe has seen it
+(an ingress pod: the readiness probe's period and a margin), so that no client it still sends there is refused."""
 
 
 class Readiness:
@@ -32,13 +35,14 @@ class Readiness:
         self.services = services
         self.started_s = time.monotonic()
         self.ready_after_s: float | None = None  # seconds from construction to ready; None until then
-        self.draining = False
+        self.leaving = False  # not ready for good: a drain began
+        self.draining = False  # new work refused (``leaving``, and its delay is over)
         self.warm_s: dict[str, float] = {}
         self._event = asyncio.Event()
 
     @property
     def ready(self) -> bool:
-        return self._event.is_set() and not self.draining
+        return self._event.is_set() and not self.leaving
 
     async def start(self) -> Readiness:
         """Every service NOT_SERVING (call before the gRPC server starts)."""
@@ -61,15 +65,19 @@ class Readiness:
                 await asyncio.sleep(retry_s)
         self.ready_after_s = time.monotonic() - self.started_s
         self._event.set()
-        if not self.draining:
+        if not self.leaving:
             await self._set(SERVING)
         log.info("ready after %.1f s (warm-up %s)", self.ready_after_s,
                  ", ".join(f"{k} {v:.2f} s" for k, v in self.warm_s.items()))
 
-    async def drain(self) -> None:
-        """Not ready from now on (a SIGTERM, a shutdown): probes send new clients elsewhere; streams go on."""
-        self.draining = True
+    async def drain(self, delay_s: float = 0.0) -> None:
+        """Not ready from now on (a SIGTERM, a shutdown): probes send new clients elsewhere; streams go on. New work
+        is still taken for ``delay_s``, while a load balancer's probe has not yet seen the change; then ``draining``."""
+        self.leaving = True
         await self._set(NOT_SERVING)
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        self.draining = True
 
     async def wait(self, timeout_s: float) -> dict[str, Any]:
         """Wait until ready (``TimeoutError`` after ``timeout_s``); returns :meth:`state`."""
@@ -77,7 +85,7 @@ class Readiness:
         return self.state()
 
     def state(self) -> dict[str, Any]:
-        return {"ready": self.ready, "draining": self.draining, "ready_after_s": self.ready_after_s,
+        return {"ready": self.ready, "draining": self.leaving, "ready_after_s": self.ready_after_s,
                 "warm_s": dict(self.warm_s)}
 
     async def _set(self, status: Any) -> None:
