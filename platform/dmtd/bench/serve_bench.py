@@ -15,12 +15,12 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from dmtd.bench.results import write_json
+from dmtd.bench.serve_report import plot, print_tables
 from dmtd.bench.serve_stages import collect_stages, cpu_per_token, cpu_snapshot
 from dmtd.bench.vllm_anchor import AGAINST, CONFIGS
 from dmtd_contract.stats import percentile
@@ -364,59 +364,7 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
         given = {"stream_interval_ms": args.stream_interval_ms, "block_push": args.block_push}
         cfg = serve_config({k: v for k, v in given.items() if v is not None})  # as start_stack read them
         result["stream_interval_ms"], result["block_push"] = cfg.stream_interval_ms, cfg.block_push
-    print(f"\n{'mode':>6} {'N/rate':>6} {'policy':>9} {'tok/s':>7} {'×τ=1':>5} {'TTFT p95':>9} {'ITL p50':>8} "
-          f"{'ITL p95':>8} {'e2e p95':>8} {'SLO':>5}")
-    for r in rows:
-        print(f"{r['mode']:>6} {r.get('concurrency', r.get('rate')):>6} {r['policy']:>9} {r['tokens_per_s']:>7.1f} "
-              f"{r.get('speedup_vs_tau1', 0):>5.2f} {r['ttft_p95_ms']:>9.0f} {r['itl_p50_ms']:>8.1f} "
-              f"{r['itl_p95_ms']:>8.1f} {r['e2e_p95_ms']:>8.0f} {r['slo_attainment']:>5.0%}")
-    if any("engine_tokens_per_s" in r for r in rows):
-        print(f"\n{'N':>4} {'policy':>9} {'stack tok/s':>11} {'engine tok/s':>12} {'efficiency':>10} {'paired':>6} "
-              f"{'TTFT p50 stack':>14} {'engine':>7} {'ITL p50 stack':>13} {'engine':>7}")
-        for r in rows:
-            if "engine_tokens_per_s" in r:
-                print(f"{r['concurrency']:>4} {r['policy']:>9} {r['tokens_per_s']:>11.1f} "
-                      f"{r['engine_tokens_per_s']:>12.1f} {r['stack_efficiency']:>10.2f} "
-                      f"{r['stack_efficiency_paired']:>6.2f} "
-                      f"{r['ttft_p50_ms']:>14.0f} {r['engine_ttft_p50_ms']:>7.0f} "
-                      f"{r['itl_p50_ms']:>13.1f} {r['engine_itl_p50_ms']:>7.1f}")
-    if any("arrivals_over_static" in r for r in rows):
-        print(f"\nthe engine under arrivals against static batches (the same requests, all N added together):\n"
-              f"{'N':>4} {'policy':>9} {'arrivals tok/s':>14} {'static tok/s':>12} {'ratio':>6} {'paired':>6}")
-        for r in rows:
-            if "arrivals_over_static" in r:
-                print(f"{r['concurrency']:>4} {r['policy']:>9} {r['engine_tokens_per_s']:>14.1f} "
-                      f"{r['engine_static_tokens_per_s']:>12.1f} {r['arrivals_over_static']:>6.2f} "
-                      f"{r['arrivals_over_static_paired']:>6.2f}")
-    cpu_rows = [r for r in rows if "cpu_ms_per_token" in r]
-    if cpu_rows:
-        print("\nCPU ms per token (stack processes; engine: the in-process engine's run):\n"
-              f"{'N':>4} {'policy':>9} {'replica':>8} {'gateway':>8} {'client':>7} {'ray':>6} {'total':>7} "
-              f"{'engine':>7}")
-        for r in cpu_rows:
-            c = r["cpu_ms_per_token"]
-            eng = r.get("engine", {}).get("cpu_ms_per_token", 0.0)
-            print(f"{r['concurrency']:>4} {r['policy']:>9} {c['replica']:>8.2f} {c['gateway']:>8.2f} "
-                  f"{c['client']:>7.2f} {c['ray']:>6.2f} {sum(c.values()):>7.2f} {eng:>7.2f}")
-    staged = [r for r in rows if r.get("stages", {}).get("requests")]
-    if staged:
-        from dmtd.bench.serve_stages import STAGES
-
-        print("\nms per token by stage (from the spans):\n" + f"{'N':>4} {'policy':>9} "
-              + " ".join(f"{s:>15}" for s in STAGES))
-        for r in staged:
-            print(f"{r['concurrency']:>4} {r['policy']:>9} "
-                  + " ".join(f"{r['stages']['ms_per_token'][s]:>15.2f}" for s in STAGES))
-    stepped = [r for r in staged if "step_ms_per_token" in r.get("engine", {})]
-    if stepped:
-        print("\nengine steps, ms per token: wall and the engine thread's CPU, in the replica and in-process:\n"
-              f"{'N':>4} {'policy':>9} {'stack wall':>10} {'stack CPU':>9} {'not running':>11} {'engine wall':>11} "
-              f"{'engine CPU':>10}")
-        for r in stepped:
-            s, e = r["stages"]["ms_per_token"], r["engine"]
-            print(f"{r['concurrency']:>4} {r['policy']:>9} {s['engine_step']:>10.2f} {s['engine_step_cpu']:>9.2f} "
-                  f"{s['engine_step'] - s['engine_step_cpu']:>11.2f} {e['step_ms_per_token']:>11.2f} "
-                  f"{e['step_cpu_ms_per_token']:>10.2f}")
+    staged = print_tables(rows)
     if args.json_path:
         path = write_json(args.json_path, result)
         plot(result, path.with_suffix(".png"))
@@ -428,31 +376,3 @@ def _run_bench_serve(args: argparse.Namespace, default_variant: str, dtype: str 
             plot_stages(staged, written[-1], f"dmtd bench serve — variant {result['variant']}: stages per token")
         print("wrote " + ", ".join(map(str, written)))
     return result
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if r["mode"] == "closed"]
-    conc = sorted({r["concurrency"] for r in rows})
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.8 / max(1, len(policies))
-    for j, p in enumerate(policies):
-        sel = [next(r for r in rows if r["policy"] == p and r["concurrency"] == c) for c in conc]
-        xs = [i + j * width for i in range(len(conc))]
-        a.bar(xs, [r["tokens_per_s"] for r in sel], width, label=p)
-        b.bar(xs, [r["itl_p95_ms"] for r in sel], width, label=p)
-    for ax, title in ((a, "output tokens/s"), (b, "per-token ITL p95 (ms)")):
-        ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(conc))], [f"N={c}" for c in conc])
-        ax.set_title(title)
-    b.axhline(result["itl_slo_ms"], color="red", lw=1, ls="--", label="ITL SLO")
-    a.legend()
-    b.legend()
-    fig.suptitle(f"dmtd bench serve — variant {result['variant']}, {result['max_new_tokens']} new tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
