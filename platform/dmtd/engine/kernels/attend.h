@@ -250,6 +250,9 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
 }
 
 #if defined(__AVX512F__)
+// How many pages ahead group512 asks for keys (a page of 16 keys is ~50 ns of its work, memory ~100 ns away).
+constexpr int64_t kAhead = 4;
+
 // G queries that read one KV head of one sequence (the GQA group's heads of a row, or of consecutive rows of one
 // sequence: a check's or a prompt's positions): query j (hd = 16·C floats at q[j]) over keys 0 .. n[j] − 1 → out[j];
 // sc: scratch of G·max(n) floats. Each key and each value is loaded once for the G queries (one at a time, a long
@@ -273,6 +276,7 @@ inline void group512(const float* const* q, const int64_t* n, const Paged& kv, i
     for (int j = 0; j < G; ++j)  // a query's last block: the slots of keys it does not read hold zeros
       for (int64_t t = std::max(b, std::min(n[j], e)); t < b + 16; ++t) part[j][kSlot[t - b]] = _mm512_setzero_ps();
     int64_t pg = b / P, off = b % P;
+    const int64_t last = (nmax - 1) / P;
     const float* kp = kv.k + kv.pages[pg] * kv.ps;
     for (int64_t t = b; t < e; ++t, ++off) {
       if (off == P) {
@@ -280,6 +284,17 @@ inline void group512(const float* const* q, const int64_t* n, const Paged& kv, i
         kp = kv.k + kv.pages[++pg] * kv.ps;
       }
       const float* kt = kp + off * hd;
+      // the pages are scattered, so the hardware's prefetch stops at each page's end: ask for the key at this
+      // offset four pages on (over the first page, one to four pages on), and for this key's value (read after
+      // the softmax) — no effect on any result
+      for (int64_t d = pg == 0 ? 1 : kAhead; d <= kAhead && pg + d <= last; ++d) {
+        const float* kn = kv.k + kv.pages[pg + d] * kv.ps + off * hd;
+        for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(kn + 16 * c), _MM_HINT_T0);
+      }
+      {
+        const float* vn = kv.v + kv.pages[pg] * kv.ps + off * hd;
+        for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(vn + 16 * c), _MM_HINT_T1);
+      }
       __m512 kk[C];
       for (int c = 0; c < C; ++c) kk[c] = _mm512_loadu_ps(kt + 16 * c);
       for (int j = 0; j < G; ++j) {
