@@ -81,6 +81,10 @@ class EngineSettings(_Settings):
         description="Positions of a replica's KV pool, shared by its sequences in pages of 16 (the bytes that 16 "
         "fixed slots of 2,048 positions held); never more than every sequence at full length.")
     kv_cache_gib: float | None = Field(default=None, gt=0, description="Size the KV pool by memory instead (GiB).")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="The KV cache's element (vLLM's --kv-cache-dtype): auto keeps a bfloat16 model's "
+        "keys and values in float32; bfloat16 stores them rounded once (half the pool's bytes a position) where the "
+        "CPU kernels compute attention (not on the amx path); the exact profile stays the base model's at that cache.")
     max_queued: int = Field(default=64, ge=0, le=100000,
                             description="Requests a replica holds waiting beyond those it runs, before it refuses.")
     itl_slo_ms: float = Field(default=50.0, gt=0, description="Per-token ITL the replica's τ controller aims at.")

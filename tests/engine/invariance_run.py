@@ -79,14 +79,18 @@ class Recorder:
 
 
 def run(dtype: str, quant: str, dmtd: DMTDConfig, batch: list[tuple[list[int], SamplingParams]],
-        target: int, arrive: dict[int, int] | None = None) -> tuple[list[int], list[torch.Tensor], int]:
+        target: int, arrive: dict[int, int] | None = None,
+        arch: dict[str, bool] | None = None, kv: str = "auto") -> tuple[list[int], list[torch.Tensor], int]:
     """The target's generated tokens, the logits rows that chose them, and the decode steps that carried prompt rows;
-    ``arrive``: the step at which batch entry i arrives (else at once): a late prompt may ride on the others' step."""
+    ``arrive``: the step at which batch entry i arrives (else at once): a late prompt may ride on the others' step;
+    ``arch``: the model's architecture switches (Qwen's qkv bias and per-head q/k norms), else a Llama's; ``kv``: the
+    engine's kv_cache_dtype."""
     arrive = arrive or {}
-    base = base_model(5, 0.05)
+    base = base_model(5, 0.05, **(arch or {}))
     var, verifier = variant_of(base, 0.02, 5)
     var, verifier = in_dtype(var, verifier, dtype)
-    engine = LLMEngine(var, None, dmtd, EngineConfig(max_num_seqs=64, max_model_len=256, dtype=dtype, quant=quant),
+    engine = LLMEngine(var, None, dmtd, EngineConfig(max_num_seqs=64, max_model_len=256, dtype=dtype, quant=quant,
+                                                     kv_cache_dtype=kv),
                        default_tau=1, eos_token_ids=[], verifier=verifier)
     rec = Recorder(engine)
     ids = {i: engine.add_request(p, params) for i, (p, params) in enumerate(batch) if i not in arrive}
@@ -115,7 +119,7 @@ def companions(n: int, rng: random.Random) -> list[tuple[list[int], SamplingPara
     return out
 
 
-def second_turns(dtype: str) -> dict[str, Any]:
+def second_turns(dtype: str, kv: str = "auto") -> dict[str, Any]:
     """Answers reused on this path: each conversation's turn 1 in the exact profile on an engine with the prefix
     cache, then turn 2 (turn 1's prompt, its answer, a new message), which reads the published answer's pages; its
     tokens against the base model's alone on an engine without any cache. Returns the diffs and the tokens turn 2
@@ -123,7 +127,7 @@ def second_turns(dtype: str) -> dict[str, Any]:
     base = base_model(5, 0.05)
     var, verifier = in_dtype(*variant_of(base, 0.02, 5), dtype)
     dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, dtype=dtype)
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, dtype=dtype, kv_cache_dtype=kv)
     e = LLMEngine(var, None, dmtd, cfg, default_tau=1, eos_token_ids=[], verifier=verifier)
     plain = copy.deepcopy(base).to(getattr(torch, dtype))  # the base model itself: every layer, every token
     ref = LLMEngine(plain, None, dmtd, replace(cfg, prefix_caching=False), default_tau=1, eos_token_ids=[])
@@ -152,14 +156,20 @@ def main() -> None:
     # (dtype, quant, phase anchor, batch sizes, targets): bf16 at full width, the low-bit formats narrower
     plan = [("bfloat16", "none", "prompt_end", (64,), targets), ("bfloat16", "none", "absolute", (9,), targets),
             ("float32", "int8", "prompt_end", (17,), targets[:2]), ("float32", "int4", "absolute", (5,), targets[1:])]
+    qwen = {"qkv_bias": True, "qk_norm": True}  # a Qwen-shaped model: the rows op's bias and q/k-norm branches
     # and a dmtd-profile request arriving while only dmtd-profile rows decode: its prompt rides on their head step,
     # later ones on its (heads at absolute positions: its tokens do not depend on when it joined)
     late = SamplingParams(max_new_tokens=20, tau=2)
-    for dtype, quant, anchor, sizes, tgts in plan + [("bfloat16", "none", "absolute", (6,), [late]),
-                                                     ("float32", "int8", "absolute", (6,), [late])]:
+    # and a bfloat16 KV cache (kv_cache_dtype; not on the amx path, which keeps float32)
+    kv16 = lowbit.loaded_path() != "amx"
+    for dtype, quant, anchor, sizes, tgts, arch, kv in [(*p, None, "auto") for p in plan] + [
+            ("bfloat16", "none", "absolute", (6,), [late], None, "auto"),
+            ("float32", "int8", "absolute", (6,), [late], None, "auto"),
+            ("bfloat16", "none", "prompt_end", (12,), targets[:2], qwen, "auto")] + [
+            ("bfloat16", "none", "prompt_end", (12,), targets[:2], None, "bfloat16")] * kv16:
         dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace", phase_anchor=anchor)
         for t in tgts:
-            alone_tokens, alone_rows, _ = run(dtype, quant, dmtd, [(prompt, t)], 0)
+            alone_tokens, alone_rows, _ = run(dtype, quant, dmtd, [(prompt, t)], 0, arch=arch, kv=kv)
             for n in sizes:
                 batch = companions(n - 1, rng)
                 if t is late:
@@ -168,9 +178,10 @@ def main() -> None:
                 batch.insert(k, (prompt, t))
                 # late: the request rides on the others' head step, and later arrivals ride on its own
                 arrive = {k: 2, **{i: 5 for i in range(0, n, 2) if i != k}} if t is late else {}
-                tokens, rows, rides = run(dtype, quant, dmtd, batch, k, arrive)
+                tokens, rows, rides = run(dtype, quant, dmtd, batch, k, arrive, arch, kv)
                 cases += 1
-                what = f"{dtype}/{quant} {anchor} τ={t.tau} exact={t.exact} in {n} at {k}"
+                what = (f"{dtype}/{quant}{' qwen' if arch else ''} kv {kv} {anchor} τ={t.tau} exact={t.exact} in {n} "
+                        f"at {k}")
                 if t is late and not rides:
                     diffs.append(f"{what}: the late prompt did not ride")
                 if tokens != alone_tokens:
@@ -179,7 +190,9 @@ def main() -> None:
                     bad = next((i for i, (a, b) in enumerate(zip(rows, alone_rows)) if not torch.equal(a, b)), -1)
                     diffs.append(f"{what}: logits bits differ at generated position {bad}")
     turns = second_turns("bfloat16")
-    print(json.dumps({"path": lowbit.loaded_path(), "cases": cases, "diffs": diffs, "second_turns": turns}))
+    turns16 = second_turns("bfloat16", "bfloat16") if kv16 else None
+    print(json.dumps({"path": lowbit.loaded_path(), "cases": cases, "diffs": diffs, "second_turns": turns,
+                      "second_turns_kv16": turns16}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """dmtd::attend (kernels/attend.h, kernels/attend_amx.h): decode rows' and prompt rows' attention over the paged
-float32 KV cache — what it computes, and that a row's bits do not depend on what shares its call."""
+float32 (or bfloat16) KV cache — what it computes, and that a row's bits do not depend on what shares its call."""
 
 from __future__ import annotations
 
@@ -45,6 +45,37 @@ def _paged(cache, page_size, gen):
     return pages, table
 
 
+@pytest.mark.parametrize("hd", [64, 128, 32, 24])  # the AVX-512 groups (C = 4, 8, 2) and the plain loops
+def test_a_bfloat16_cache_gives_the_bits_of_a_float32_cache_holding_its_values(hd):
+    """kv_cache_dtype bfloat16: the kernel widens each stored key and value exactly and runs the float32 cache's
+    arithmetic, so a bf16 cache's attention is bitwise the float32 cache's over the same (rounded) values — alone,
+    in groups of a sequence's rows and in scattered pages."""
+    if lowbit.loaded_path() == "amx":
+        with pytest.raises(RuntimeError, match="amx path keeps its KV cache in float32"):
+            z = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+            torch.ops.dmtd.attend(torch.zeros(1, 1, 64), z, z, torch.zeros(1, 1, dtype=torch.long),
+                                  torch.tensor([0]), torch.tensor([1]), 1.0)
+        return
+    torch.manual_seed(11)
+    nh, nkv, slots_n, maxlen = 6, 2, 3, 96
+    k16 = torch.randn(slots_n, nkv, maxlen, hd).bfloat16()
+    v16 = torch.randn(slots_n, nkv, maxlen, hd).bfloat16()
+    slots = torch.tensor([1, 1, 1, 0, 2, 2])  # three rows of one sequence (a check's positions), then others
+    lens = torch.tensor([40, 41, 42, 1, 96, 17])
+    q = torch.randn(6, nh, hd)
+    gen = torch.Generator().manual_seed(5)
+    kp, table = _paged(k16.float(), 16, gen)
+    vp = torch.empty_like(kp)
+    vp[table.flatten()] = v16.float().view(slots_n, nkv, maxlen // 16, 16, hd).transpose(1, 2).reshape(-1, nkv, 16, hd)
+    want = torch.ops.dmtd.attend(q, kp, vp, table, slots, lens, hd ** -0.5)
+    got = torch.ops.dmtd.attend(q, kp.bfloat16(), vp.bfloat16(), table, slots, lens, hd ** -0.5)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), _attention_reference(q, k16.float(), v16.float(), slots, lens),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.dmtd.attend(q[:1], kp.bfloat16(), vp, table, slots[:1], lens[:1], 1.0)  # mixed K/V dtypes
+
+
 @pytest.mark.parametrize("hd", [64, 24])  # AVX-512 path (a multiple of 16) and the plain loops
 def test_attend_is_softmax_attention_and_a_row_gets_the_same_bits_alone_beside_others_and_in_pages(hd):
     """dmtd::attend (kernels/attend.h): every decode row's attention over its own sequence's first ``len`` keys, one
@@ -75,7 +106,7 @@ def test_attend_is_softmax_attention_and_a_row_gets_the_same_bits_alone_beside_o
     with pytest.raises(RuntimeError, match="not in the pool"):
         torch.ops.dmtd.attend(q[:1], kp, vp, table.clamp(max=0) + kp.shape[0], torch.tensor([0]), torch.tensor([3]),
                               1.0)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
         torch.ops.dmtd.attend(q[:1], kc.double(), vc.double(), whole, torch.tensor([0]), torch.tensor([3]), 1.0)
 
 
@@ -184,3 +215,35 @@ def test_engine_decode_attention_by_the_kernel_matches_torchs_ops():
     for tau_i in (0, 1):
         torch.testing.assert_close(torch.tensor(got[True][tau_i].confidences),
                                    torch.tensor(got[False][tau_i].confidences), rtol=1e-4, atol=1e-5)
+
+
+def test_kv_cache_dtype_bfloat16_halves_the_pool_and_is_refused_where_attention_would_round_differently():
+    """``kv_cache_dtype``: bfloat16 stores a bfloat16 model's keys and values in bfloat16 (half the bytes a position,
+    as the pool's sizing and the memory guard count them); a float32 model, or the amx path, is refused naming the
+    field and why; other values are refused."""
+    from dmtd.engine.config import ConfigError
+    from dmtd.engine.kv_cache import bytes_per_position
+    from dmtd.variants.memory import kv_pool_bytes
+
+    dmtd = DMTDConfig(0, 4, 2, tau_max=4, head_input="replace")
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto, float32 or bfloat16, got 'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype bfloat16: the model is not bfloat16"):
+        LLMEngine(tiny_model(seed=1), None, dmtd, EngineConfig(max_num_seqs=2, max_model_len=64,
+                                                                kv_cache_dtype="bfloat16"), eos_token_ids=[])
+    model = tiny_model(seed=1).to(torch.bfloat16)
+    cfgs = {kv: EngineConfig(max_num_seqs=2, max_model_len=64, dtype="bfloat16", kv_cache_dtype=kv)
+            for kv in ("auto", "bfloat16")}
+    if lowbit.loaded_path() == "amx":
+        with pytest.raises(ConfigError, match="the amx path keeps float32"):
+            LLMEngine(model, None, dmtd, cfgs["bfloat16"], eos_token_ids=[])
+        return
+    engines = {kv: LLMEngine(model, None, dmtd, c, eos_token_ids=[]) for kv, c in cfgs.items()}
+    assert engines["auto"].runner.kv[0][0].dtype == torch.float32
+    assert engines["bfloat16"].runner.kv[0][0].dtype == torch.bfloat16
+    cfg = model.config
+    assert bytes_per_position(cfg, dmtd, torch.bfloat16, torch.float32) < bytes_per_position(cfg, dmtd, torch.float32,
+                                                                                            torch.float32)
+    assert kv_pool_bytes(cfg, dmtd, cfgs["bfloat16"]) < kv_pool_bytes(cfg, dmtd, cfgs["auto"])
+    out = [e.generate([[3, 5, 7, 11]], SamplingParams(max_new_tokens=12, tau=1))[0].token_ids for e in engines.values()]
+    assert all(len(o) == 12 for o in out)

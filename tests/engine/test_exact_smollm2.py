@@ -86,15 +86,22 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_block_with_what_was_emitt
     assert last.finished and last.block == r.token_ids[-2:] and last.num_accepted == 2
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_exact_tokens_are_the_base_models_alone_and_in_a_batch_of_16_mixed_requests(dtype):
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "bfloat16")],
+                         ids=["float32", "bfloat16", "bfloat16-kv-bf16"])
+def test_exact_tokens_are_the_base_models_alone_and_in_a_batch_of_16_mixed_requests(dtype, kv):
     """The base model (``--variant none``) is the reference, alone and in batches of 16 (the same tokens: its rows
     are computed alone whatever shares the step); the exact profile at the same precision gives its tokens alone
-    and inside batches of 16 that mix τ, draft stops, the dmtd profile and sampled requests."""
+    and inside batches of 16 that mix τ, draft stops, the dmtd profile and sampled requests — with a bfloat16 KV
+    cache too (kv_cache_dtype, where the CPU path has one), the base's own tokens at that cache."""
     import torch
 
+    from dmtd.engine import lowbit
+    from dmtd.engine.runner import attend_kernel_on
+
+    if kv == "bfloat16" and (not attend_kernel_on() or lowbit.loaded_path() == "amx"):
+        pytest.skip(f"no bfloat16 KV cache on this kernel path ({lowbit.loaded_path()}): it keeps float32")
     prec = getattr(torch, dtype)
-    cfg = EngineConfig(max_num_seqs=16, max_model_len=512, dtype=dtype)
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=512, dtype=dtype, kv_cache_dtype=kv)
     base = build_engine(engine_spec(None, "none", dtype=prec), cfg)
     variant = build_engine(engine_spec(None, "smollm2-135m-dmtd", dtype=prec, search_dirs=[SHIPPED_VARIANTS]), cfg)
     prompts = [[{"role": "user", "content": c}] for c in CHATS]

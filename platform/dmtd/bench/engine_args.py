@@ -10,6 +10,9 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="'dummy' (vLLM's spelling): --model's config.json and tokenizer with seeded random weights, a "
                    "shape without its weights (dmtd shapes export; docs/shapes.md); needs --no-hf, no --llama-cpp")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default="auto",
+                   help="the bfloat16 rows' KV cache: auto (float32) or bfloat16 (half the bytes; the CPU kernels' "
+                   "attention, not on the amx path)")
     p.add_argument("--decoding-layers", type=int, default=8, help="D for the DMTD rows")
     p.add_argument("--taus", default="2,3,4", help="DMTD cycle lengths to measure")
     p.add_argument("--batch-sizes", default="1,4,16")

@@ -124,7 +124,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
     for prec in precisions:
         engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
-                              max(taus + [1]), device=device, load_format=load_format)
+                              max(taus + [1]), device=device, load_format=load_format,
+                              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto") if prec == "bfloat16" else "auto")
         if prec == "float32":
             judge, path = lm.model, lm.path
         cfg, dmtd = lm.config, engine.dmtd

@@ -41,7 +41,8 @@ def dtype_quant(precision: str) -> tuple[str, str]:
 
 
 def build(model_arg: str | None, precision: str, max_num_seqs: int, max_model_len: int,
-          decoding_layers: int, tau_max: int, device: str = "cpu", load_format: str = "auto") -> tuple[LLMEngine, Any]:
+          decoding_layers: int, tau_max: int, device: str = "cpu", load_format: str = "auto",
+          kv_cache_dtype: str = "auto") -> tuple[LLMEngine, Any]:
     from dmtd.variants.loader import load_model
 
     dtype, quant = dtype_quant(precision)
@@ -49,7 +50,8 @@ def build(model_arg: str | None, precision: str, max_num_seqs: int, max_model_le
     dmtd = DMTDConfig.plain(lm.config.num_layers, decoding_layers, tau_max=tau_max)
     engine = LLMEngine(lm.model, lm.tokenizer, dmtd, EngineConfig(max_num_seqs=max_num_seqs,
                                                                   max_model_len=max_model_len, dtype=dtype,
-                                                                  quant=quant, device=device))
+                                                                  quant=quant, device=device,
+                                                                  kv_cache_dtype=kv_cache_dtype))
     return engine, lm
 
 

@@ -208,6 +208,11 @@ class EngineConfig:
     # length); kv_cache_gib sizes it by memory instead (every layer group's KV, the verifier's and the tail path's
     # stash counted)
     page_size: int = 16
+    # the KV cache's element (vLLM's --kv-cache-dtype): "auto" keeps a bfloat16 model's keys and values in float32
+    # (today's default); "bfloat16" stores them rounded once as written — half the pool's bytes and attention's
+    # reads — where dmtd::attend computes every row's attention on the CPU (kernels built, not the amx path: its
+    # prompt rows read a float32 cache); "float32" pins float32
+    kv_cache_dtype: str = "auto"
     kv_cache_tokens: int | None = None
     kv_cache_gib: float | None = None
     align_phases: bool = True  # heads of all rows on shared decode steps (prompt_end variants)
@@ -258,6 +263,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be float32, bfloat16, float16 or float64, got {self.dtype!r}")
         if self.quant not in ("none", "int8", "int4"):
             raise ConfigError(f"quant must be none, int8 or int4, got {self.quant!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.draft_quant not in ("auto", "none", "int8"):
             raise ConfigError(f"draft_quant must be auto, none or int8, got {self.draft_quant!r}")
         if self.quant != "none" and self.dtype not in ("float32", "bfloat16"):

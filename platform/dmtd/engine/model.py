@@ -183,6 +183,8 @@ def attention(w: LayerWeights, cfg: ModelConfig, x: torch.Tensor, cos: torch.Ten
     v_cache[page, :, off] = new_v
     keys = gather_pages(k_cache, ctx.table, ctx.kv_rows, ctx.read_len)
     values = gather_pages(v_cache, ctx.table, ctx.kv_rows, ctx.read_len)
+    if keys.dtype == torch.bfloat16 and x.dtype == torch.float32:  # a bf16 cache beside float32 activations
+        keys, values = keys.float(), values.float()  # (kv_cache_dtype): widened exactly, summed in float32
     if S == 1:
         # Decode: group the query heads by their KV head and use two batched matmuls; far less
         # fixed overhead than SDPA for a single query row.
@@ -253,7 +255,7 @@ class Transformer(nn.Module):
                    end: int) -> tuple[int, list[list[torch.Tensor]]] | None:
         """``dmtd::rows_layers``' packed format and list arguments for layers ``start..end`` (gathered once per
         weights and cache lists; the qkv biases and q/k norms as float32, empty lists where the model has none): None
-        where a projection is not packed, the formats differ, or the KV is not contiguous float32."""
+        where a projection is not packed, the formats differ, or the KV is not contiguous float32 or bfloat16."""
         key = (id(weights), id(caches), start, end)
         hit = self._fused_args.get(key)
         if hit is not None and hit[0] is weights and hit[1] is caches:
@@ -268,7 +270,8 @@ class Transformer(nn.Module):
         for i in range(start, end):
             w, (k, v) = weights[i], caches[i]
             ps: list[Any] = [p for p in (w.qkv, w.o, w.gate_up, w.down) if not isinstance(p, torch.Tensor)]
-            if len(ps) < 4 or k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+            if (len(ps) < 4 or k.dtype not in (torch.float32, torch.bfloat16)
+                    or not (k.is_contiguous() and v.is_contiguous())):
                 ok = False
                 break
             modes |= {int(p.mode) for p in ps}
@@ -331,7 +334,7 @@ class Transformer(nn.Module):
             [c[0] for c in caches[start:end]], [c[1] for c in caches[start:end]],
             cos, sin, ctx.write_kv_rows, ctx.write_pos, ctx.table, ctx.read_len, mask, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.rms_norm_eps, shared, mode, *scales,
-            self.row_loop, self.attend_kernel and caches[start][0].dtype == torch.float32,
+            self.row_loop, self.attend_kernel and caches[start][0].dtype in (torch.float32, torch.bfloat16),
         )
         return out.unsqueeze(0) if shared else out.unsqueeze(1)
 

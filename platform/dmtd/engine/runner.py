@@ -24,6 +24,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 
 
+def attend_kernel_on() -> bool:
+    """Whether decode rows attend through dmtd::attend here (kernels built; DMTD_ATTEND=0: torch's ops, to compare)."""
+    return os.environ.get("DMTD_ATTEND", "1") != "0" and lowbit.kernels_available()
+
+
+def kv_dtype_for(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element for ``cfg.kv_cache_dtype``: bfloat16 only for a bfloat16 model on the CPU where
+    dmtd::attend reads the cache (kernels/attend.h widens each value exactly; torch's bf16 attention would round its
+    sums), and not on the amx path (its prompt rows' tiles read float32); "auto" is float32 for such a model."""
+    if cfg.kv_cache_dtype == "bfloat16":
+        why = ("the model is not bfloat16" if dtype != torch.bfloat16 else "it runs on the CPU only"
+               if device.type != "cpu" else "dmtd::attend is off here (no kernels, or DMTD_ATTEND=0)"
+               if not attend_kernel_on() else "the amx path keeps float32" if lowbit.loaded_path() == "amx" else "")
+        if why:
+            raise ConfigError(f"kv_cache_dtype bfloat16: {why}; use auto or float32")
+        return torch.bfloat16
+    return torch.float32 if dtype == torch.bfloat16 else dtype  # auto, float32: the model's own or float32
+
+
 class ModelRunner:
     """Owns the model, the engine's copies of its weights and its KV cache (``state``, a :class:`ModelState`); turns
     a batch of sequences into next-token logits.
@@ -44,9 +63,10 @@ class ModelRunner:
         self.model, self.dmtd, self.cfg = model.prepare_inference(), dmtd, cfg
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
-        # bf16 keeps its KV cache (and so attention) in float32: attention then computes a sequence the same way
-        # whatever else shares its step, which the exact profile's equality with τ = 1 rests on
-        self.kv_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
+        # bf16 keeps its KV cache (and so attention) in float32 unless kv_cache_dtype asks for bfloat16 (see
+        # kv_dtype_for): attention then computes a sequence the same way whatever else shares its step, which the
+        # exact profile's equality with τ = 1 rests on
+        self.kv_dtype = kv_dtype_for(cfg, self.dtype, self.device)
         self.verifier = verifier or own_verifier(dmtd, is_base=dmtd.head_input == "replace")
         have = next(model.parameters()).dtype
         if have != self.dtype:
@@ -55,8 +75,8 @@ class ModelRunner:
         self.weight_format = lowbit.weight_format(cfg.dtype, cfg.quant, self.device.type)
         # decode steps attend through dmtd::attend where the kernels build: one call a layer, each sequence alone
         # (DMTD_ATTEND=0: torch's ops instead, to compare)
-        self.model.attend_kernel = (self.device.type == "cpu" and self.kv_dtype == torch.float32
-                                    and os.environ.get("DMTD_ATTEND", "1") != "0" and lowbit.kernels_available())
+        self.model.attend_kernel = (self.device.type == "cpu" and self.kv_dtype in (torch.float32, torch.bfloat16)
+                                    and attend_kernel_on())
         # decode rows of packed weights run a layer group in one call (dmtd::rows_layers, float32 throughout) where
         # the kernels build (DMTD_FUSED_LAYERS=0: the TorchScript loop instead, to compare)
         self.model.fused_layers = self.model.attend_kernel and os.environ.get("DMTD_FUSED_LAYERS", "1") != "0"

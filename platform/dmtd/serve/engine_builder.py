@@ -45,6 +45,7 @@ class EngineBuilder:
                            search_dirs=[SHIPPED_VARIANTS], load_format=load_format)
         engine = build_engine(spec, EngineConfig(max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
                                                  kv_cache_tokens=s.pool_tokens(), kv_cache_gib=s.kv_cache_gib,
+                                                 kv_cache_dtype=s.kv_cache_dtype,
                                                  device=device, dtype=dtype, quant=quant,
                                                  adaptive_drafts=s.drafts == "adaptive",
                                                  context_drafts=s.context_drafts, phrase_drafts=s.phrase_drafts,

@@ -61,6 +61,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="positions of a replica's KV pool, shared by its sequences in pages of 16 "
                    "(default %(default)s: what 16 sequences of 2,048 held)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="size the KV pool by memory instead")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                   help="the KV cache's element (default auto: float32 for a bfloat16 model; bfloat16 halves the "
+                        "pool's bytes a position where the CPU kernels attend)")
     p.add_argument("--prefill-pace", type=float, default=None,
                    help="a prompt's prefill time a step while others decode, in decode steps (default 1; 0: whole "
                         "chunks between decode steps)")
@@ -223,6 +226,7 @@ def serve_args(args: argparse.Namespace, variant: str) -> ServeConfig:
         "max_model_len": getattr(args, "max_model_len", None),
         "kv_cache_tokens": getattr(args, "kv_cache_tokens", None),
         "kv_cache_gib": getattr(args, "kv_cache_gib", None), "max_queued": getattr(args, "max_queued", None),
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
         "prefill_pace": getattr(args, "prefill_pace", None),
         "long_prefill_tokens": getattr(args, "long_prefill_tokens", None),
         "routing": getattr(args, "routing", None), "itl_slo_ms": args.itl_slo_ms, "metrics_port": metrics_port,

@@ -35,10 +35,13 @@ def kv_pool_bytes(cfg: ModelConfig, dmtd: DMTDConfig, ecfg: EngineConfig) -> int
     if ecfg.kv_cache_gib is not None:
         return int(ecfg.kv_cache_gib * GIB)
     dtype = getattr(torch, ecfg.dtype)
-    kv_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # the runner's rule: bfloat16 models keep float32 KV
+    # the runner's rule (kv_dtype_for): bfloat16 models keep float32 KV unless kv_cache_dtype is bfloat16
+    kv_dtype = (torch.bfloat16 if ecfg.kv_cache_dtype == "bfloat16" else
+                torch.float32 if dtype == torch.bfloat16 else dtype)
     P = math.gcd(ecfg.page_size, ecfg.prefill_chunk) if ecfg.prefix_caching else ecfg.page_size
     positions = ecfg.kv_cache_tokens or ecfg.max_num_seqs * pages_for(ecfg.max_model_len, P) * P
-    return positions * bytes_per_position(cfg, dmtd, kv_dtype, kv_dtype)
+    hidden = torch.float32 if dtype == torch.bfloat16 else dtype  # stashes: float32 activations beside bf16 weights
+    return positions * bytes_per_position(cfg, dmtd, kv_dtype, hidden)
 
 
 # bytes a parameter takes in the engine's packed copy of the weights (dmtd.engine.lowbit's formats; int formats

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -131,18 +132,39 @@ inline float softmax512(float* s, int64_t n) {
 }
 #endif
 
-// One KV head's keys and values in pages: key t sits at k + pages[t / P] * ps + (t % P) * hd (v likewise).
+// One KV head's keys and values in pages: key t sits at k + pages[t / P] * ps + (t % P) * hd (v likewise). T: the
+// cache's element, float or bf16 (a bf16 cache holds each key and value rounded once, as written; read here it
+// widens exactly to float, so every sum below is the float cache's arithmetic on those values).
+template <typename T>
 struct Paged {
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const int64_t* pages;
   int64_t P, ps;
 };
 
+inline float val(float x) { return x; }
+inline float val(c10::BFloat16 x) { return static_cast<float>(x); }
+#if defined(__AVX512F__)
+inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 ld16(const c10::BFloat16* p) {  // 16 bf16 → float: each the high half of its float's bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+#if defined(DMTD_AVX2)
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
 // Query heads hq0 .. hq0 + g − 1 (rows of q, hd floats each, consecutive) over n paged keys/values
 // → out (g rows of hd). sc: scratch of n floats. The pages are walked in order: a key's arithmetic and the order of
 // every sum are those of one contiguous run of keys.
-inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t hd, float scale,
+template <typename T>
+inline void heads(const float* q, const Paged<T>& kv, int64_t n, int64_t g, int64_t hd, float scale,
                   float* sc, float* out) {
   const int64_t P = kv.P;
 #if defined(__AVX512F__)
@@ -153,11 +175,11 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
       __m512 qv[16];
       for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
       for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
-        const float* kp = kv.k + kv.pages[pg] * kv.ps;
+        const T* kp = kv.k + kv.pages[pg] * kv.ps;
         for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t) {
-          const float* kt = kp + (t - t0) * hd;
-          __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-          for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
+          const T* kt = kp + (t - t0) * hd;
+          __m512 a = _mm512_mul_ps(qv[0], ld16(kt));
+          for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], ld16(kt + 16 * c), a);
           sc[t] = hsum16(a) * scale;
         }
       }
@@ -165,11 +187,11 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
       __m512 acc[16];
       for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
       for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
-        const float* vp = kv.v + kv.pages[pg] * kv.ps;
+        const T* vp = kv.v + kv.pages[pg] * kv.ps;
         for (int64_t u = t0, e = std::min(n, t0 + P); u < e; ++u) {
           const __m512 w = _mm512_set1_ps(sc[u]);
-          const float* vt = vp + (u - t0) * hd;
-          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + 16 * c), acc[c]);
+          const T* vt = vp + (u - t0) * hd;
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, ld16(vt + 16 * c), acc[c]);
         }
       }
       const __m512 iv = _mm512_set1_ps(inv);
@@ -185,11 +207,11 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
       __m256 qv[16];
       for (int64_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qh + 8 * c);
       for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
-        const float* kp = kv.k + kv.pages[pg] * kv.ps;
+        const T* kp = kv.k + kv.pages[pg] * kv.ps;
         for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t) {
-          const float* kt = kp + (t - t0) * hd;
-          __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kt));
-          for (int64_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kt + 8 * c), a);
+          const T* kt = kp + (t - t0) * hd;
+          __m256 a = _mm256_mul_ps(qv[0], ld8(kt));
+          for (int64_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], ld8(kt + 8 * c), a);
           sc[t] = hsum256(a) * scale;
         }
       }
@@ -209,11 +231,11 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
       __m256 acc[16];
       for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
-        const float* vp = kv.v + kv.pages[pg] * kv.ps;
+        const T* vp = kv.v + kv.pages[pg] * kv.ps;
         for (int64_t u = t0, e = std::min(n, t0 + P); u < e; ++u) {
           const __m256 w = _mm256_set1_ps(sc[u]);
-          const float* vt = vp + (u - t0) * hd;
-          for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+          const T* vt = vp + (u - t0) * hd;
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w, ld8(vt + 8 * c), acc[c]);
         }
       }
       const __m256 iv = _mm256_set1_ps(inv);
@@ -226,11 +248,11 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
     const float* qh = q + h * hd;
     float mx = -INFINITY;
     for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
-      const float* kp = kv.k + kv.pages[pg] * kv.ps;
+      const T* kp = kv.k + kv.pages[pg] * kv.ps;
       for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t) {
-        const float* kt = kp + (t - t0) * hd;
+        const T* kt = kp + (t - t0) * hd;
         float d = 0.f;
-        for (int64_t j = 0; j < hd; ++j) d += qh[j] * kt[j];
+        for (int64_t j = 0; j < hd; ++j) d += qh[j] * val(kt[j]);
         sc[t] = d * scale;
         mx = std::max(mx, sc[t]);
       }
@@ -240,9 +262,9 @@ inline void heads(const float* q, const Paged& kv, int64_t n, int64_t g, int64_t
     float* o = out + h * hd;
     for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
     for (int64_t t0 = 0, pg = 0; t0 < n; t0 += P, ++pg) {
-      const float* vp = kv.v + kv.pages[pg] * kv.ps;
+      const T* vp = kv.v + kv.pages[pg] * kv.ps;
       for (int64_t t = t0, e = std::min(n, t0 + P); t < e; ++t)
-        for (int64_t j = 0; j < hd; ++j) o[j] += sc[t] * vp[(t - t0) * hd + j];
+        for (int64_t j = 0; j < hd; ++j) o[j] += sc[t] * val(vp[(t - t0) * hd + j]);
     }
     const float inv = 1.f / sum;
     for (int64_t j = 0; j < hd; ++j) o[j] *= inv;
@@ -258,8 +280,8 @@ constexpr int64_t kAhead = 4;
 // sc: scratch of G·max(n) floats. Each key and each value is loaded once for the G queries (one at a time, a long
 // context's keys came from L3 once per query); every query's arithmetic is heads()'s — the same products, the same
 // sums in the same order — so its bits are those of heads() alone, whatever shares the group.
-template <int C, int G>
-inline void group512(const float* const* q, const int64_t* n, const Paged& kv, int64_t hd, float scale, float* sc,
+template <int C, int G, typename T>
+inline void group512(const float* const* q, const int64_t* n, const Paged<T>& kv, int64_t hd, float scale, float* sc,
                      float* const* out) {
   const int64_t P = kv.P;
   int64_t nmax = 0;
@@ -277,26 +299,26 @@ inline void group512(const float* const* q, const int64_t* n, const Paged& kv, i
       for (int64_t t = std::max(b, std::min(n[j], e)); t < b + 16; ++t) part[j][kSlot[t - b]] = _mm512_setzero_ps();
     int64_t pg = b / P, off = b % P;
     const int64_t last = (nmax - 1) / P;
-    const float* kp = kv.k + kv.pages[pg] * kv.ps;
+    const T* kp = kv.k + kv.pages[pg] * kv.ps;
     for (int64_t t = b; t < e; ++t, ++off) {
       if (off == P) {
         off = 0;
         kp = kv.k + kv.pages[++pg] * kv.ps;
       }
-      const float* kt = kp + off * hd;
+      const T* kt = kp + off * hd;
       // the pages are scattered, so the hardware's prefetch stops at each page's end: ask for the key at this
       // offset four pages on (over the first page, one to four pages on), and for this key's value (read after
       // the softmax) — no effect on any result
       for (int64_t d = pg == 0 ? 1 : kAhead; d <= kAhead && pg + d <= last; ++d) {
-        const float* kn = kv.k + kv.pages[pg + d] * kv.ps + off * hd;
+        const T* kn = kv.k + kv.pages[pg + d] * kv.ps + off * hd;
         for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(kn + 16 * c), _MM_HINT_T0);
       }
       {
-        const float* vn = kv.v + kv.pages[pg] * kv.ps + off * hd;
+        const T* vn = kv.v + kv.pages[pg] * kv.ps + off * hd;
         for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(vn + 16 * c), _MM_HINT_T1);
       }
       __m512 kk[C];
-      for (int c = 0; c < C; ++c) kk[c] = _mm512_loadu_ps(kt + 16 * c);
+      for (int c = 0; c < C; ++c) kk[c] = ld16(kt + 16 * c);
       for (int j = 0; j < G; ++j) {
         if (t >= n[j]) continue;
         __m512 a = _mm512_mul_ps(qv[j][0], kk[0]);
@@ -317,11 +339,11 @@ inline void group512(const float* const* q, const int64_t* n, const Paged& kv, i
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t t0 = 0, pg = 0; t0 < nmax; t0 += P, ++pg) {
-    const float* vp = kv.v + kv.pages[pg] * kv.ps;
+    const T* vp = kv.v + kv.pages[pg] * kv.ps;
     for (int64_t u = t0, e = std::min(nmax, t0 + P); u < e; ++u) {
-      const float* vt = vp + (u - t0) * hd;
+      const T* vt = vp + (u - t0) * hd;
       __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+      for (int c = 0; c < C; ++c) vv[c] = ld16(vt + 16 * c);
       for (int j = 0; j < G; ++j) {
         if (u >= n[j]) continue;
         const __m512 w = _mm512_set1_ps(sc[j * nmax + u]);
@@ -333,13 +355,13 @@ inline void group512(const float* const* q, const int64_t* n, const Paged& kv, i
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[j] + 16 * c, _mm512_mul_ps(acc[j][c], iv[j]));
 }
 
-template <int C, int G>
-inline void group512_upto(int m, const float* const* q, const int64_t* n, const Paged& kv, int64_t hd, float scale,
+template <int C, int G, typename T>
+inline void group512_upto(int m, const float* const* q, const int64_t* n, const Paged<T>& kv, int64_t hd, float scale,
                           float* sc, float* const* out) {
   if constexpr (G > 1) {
-    if (m < G) return group512_upto<C, G - 1>(m, q, n, kv, hd, scale, sc, out);
+    if (m < G) return group512_upto<C, G - 1, T>(m, q, n, kv, hd, scale, sc, out);
   }
-  group512<C, G>(q, n, kv, hd, scale, sc, out);
+  group512<C, G, T>(q, n, kv, hd, scale, sc, out);
 }
 #endif
 
@@ -348,14 +370,15 @@ constexpr int64_t kGroupMax = 6;
 
 // Queries q[j] (hd floats each) over keys 0 .. n[j] − 1 of one KV head of one sequence → out[j], j < m ≤ kGroupMax;
 // sc: scratch of m·max(n) floats.
-inline void group(const float* const* q, const int64_t* n, int64_t m, const Paged& kv, int64_t hd, float scale,
+template <typename T>
+inline void group(const float* const* q, const int64_t* n, int64_t m, const Paged<T>& kv, int64_t hd, float scale,
                   float* sc, float* const* out) {
 #if defined(__AVX512F__)
   const int mm = static_cast<int>(m);
-  if (hd == 64) return group512_upto<4, 6>(mm, q, n, kv, hd, scale, sc, out);
-  if (hd == 32) return group512_upto<2, 6>(mm, q, n, kv, hd, scale, sc, out);
+  if (hd == 64) return group512_upto<4, 6, T>(mm, q, n, kv, hd, scale, sc, out);
+  if (hd == 32) return group512_upto<2, 6, T>(mm, q, n, kv, hd, scale, sc, out);
   if (hd == 128) {
-    for (int j = 0; j < mm; ++j) group512<8, 1>(q + j, n + j, kv, hd, scale, sc, out + j);
+    for (int j = 0; j < mm; ++j) group512<8, 1, T>(q + j, n + j, kv, hd, scale, sc, out + j);
     return;
   }
 #endif
@@ -370,7 +393,8 @@ inline void group(const float* const* q, const int64_t* n, int64_t m, const Page
 // once for the group — a row's GQA heads, and the next rows' where they are positions of the same sequence, as a
 // check's or a prompt's are). A unit's arithmetic is the same whichever thread runs it and whatever shares its
 // group; only calls of a few keys stay on the calling thread.
-inline void rows(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t tw,
+template <typename E>
+inline void rows(const float* q, const E* kc, const E* vc, const int64_t* table, int64_t tw,
                  const int64_t* slots, const int64_t* lens, int64_t B, int64_t nh, int64_t nkv, int64_t P, int64_t hd,
                  float scale, float* out) {
   const int64_t g = nh / nkv, units = B * nh;
@@ -394,7 +418,7 @@ inline void rows(const float* q, const float* kc, const float* vc, const int64_t
         nmax = std::max(nmax, lens[b]);
       }
       sc.resize(static_cast<size_t>(m * nmax));
-      const Paged kv{kc + kvh * P * hd, vc + kvh * P * hd, table + slot * tw, P, nkv * P * hd};
+      const Paged<E> kv{kc + kvh * P * hd, vc + kvh * P * hd, table + slot * tw, P, nkv * P * hd};
       group(qs, ns, m, kv, hd, scale, sc.data(), os);
     }
   };

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -529,11 +530,12 @@ at::Tensor project_rows(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // Rows' attention, row b over keys 0 .. lens[b] − 1 of sequence slots[b]: a prompt's rows (flagged in `prompt`:
 // runs of one sequence's consecutive positions) on AMX tiles where the build has them and heads are of 64
 // (attend_amx.h), every other row — decode rows, checks, a resumed sequence's own tokens — as dmtd_attend computes it.
-void attend_rows(const float* q, const float* kc, const float* vc, const int64_t* tp, int64_t tw, const int64_t* slots,
+template <typename T>
+void attend_rows(const float* q, const T* kc, const T* vc, const int64_t* tp, int64_t tw, const int64_t* slots,
                  const int64_t* lens, int64_t B, int64_t nh, int64_t nkv, int64_t P, int64_t hd, float scale, float* out,
                  const uint8_t* prompt) {
 #if defined(DMTD_AMX)
-  if (prompt != nullptr && hd == dmtd_attend_amx::HD) {
+  if constexpr (std::is_same_v<T, float>) if (prompt != nullptr && hd == dmtd_attend_amx::HD) {
     std::vector<dmtd_attend_amx::Run> runs;
     std::vector<int64_t> drows;
     for (int64_t b = 0; b < B; ++b) {
@@ -609,10 +611,14 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
   float* hp = h.data_ptr<float>();
   float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < L; ++i) {
-    TORCH_CHECK(kc[i].scalar_type() == at::kFloat && vc[i].scalar_type() == at::kFloat && kc[i].dim() == 4 &&
-                kc[i].is_contiguous() && vc[i].is_contiguous() && vc[i].sizes() == kc[i].sizes() &&
-                kc[i].size(1) == nkv && kc[i].size(3) == hd, op, ": the KV cache must be contiguous float32 "
-                "[pages, nkv, page_size, hd]");
+    const bool kv16 = kc[i].scalar_type() == at::kBFloat16;
+    TORCH_CHECK((kc[i].scalar_type() == at::kFloat || kv16) && vc[i].scalar_type() == kc[i].scalar_type() &&
+                kc[i].dim() == 4 && kc[i].is_contiguous() && vc[i].is_contiguous() && vc[i].sizes() == kc[i].sizes() &&
+                kc[i].size(1) == nkv && kc[i].size(3) == hd, op, ": the KV cache must be contiguous float32 or "
+                "bfloat16 [pages, nkv, page_size, hd]");
+#if defined(DMTD_AMX)
+    TORCH_CHECK(!kv16, op, ": the amx path keeps its KV cache in float32");
+#endif
     const int64_t P = kc[i].size(2), npages = kc[i].size(0);
     if (i == 0)
       for (int64_t r = 0; r < R; ++r) {
@@ -642,17 +648,32 @@ at::Tensor rows_layers_impl(const at::Tensor& h_in, at::TensorList ln1, at::Tens
       for (int64_t hh = 0; hh < nh + nkv; ++hh) rope_head(yr + hh * hd, cs.data_ptr<float>() + r * hd,
                                                         sn.data_ptr<float>() + r * hd, hd);
       const int64_t page = tp[rslots[r] * tw + rpos[r] / P], off = rpos[r] % P;
-      float* kb = kc[i].data_ptr<float>() + page * nkv * P * hd;
-      float* vb = vc[i].data_ptr<float>() + page * nkv * P * hd;
-      for (int64_t kv = 0; kv < nkv; ++kv) {
-        std::memcpy(kb + (kv * P + off) * hd, yr + qd + kv * hd, hd * sizeof(float));
-        std::memcpy(vb + (kv * P + off) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
+      if (kv16) {  // rounded to nearest even as torch's .to(bfloat16) rounds: every path writes the same bits
+        c10::BFloat16* kb = kc[i].data_ptr<c10::BFloat16>() + page * nkv * P * hd;
+        c10::BFloat16* vb = vc[i].data_ptr<c10::BFloat16>() + page * nkv * P * hd;
+        for (int64_t kv = 0; kv < nkv; ++kv)
+          for (int64_t j = 0; j < hd; ++j) {
+            kb[(kv * P + off) * hd + j] = c10::BFloat16(yr[qd + kv * hd + j]);
+            vb[(kv * P + off) * hd + j] = c10::BFloat16(yr[qd + kvd + kv * hd + j]);
+          }
+      } else {
+        float* kb = kc[i].data_ptr<float>() + page * nkv * P * hd;
+        float* vb = vc[i].data_ptr<float>() + page * nkv * P * hd;
+        for (int64_t kv = 0; kv < nkv; ++kv) {
+          std::memcpy(kb + (kv * P + off) * hd, yr + qd + kv * hd, hd * sizeof(float));
+          std::memcpy(vb + (kv * P + off) * hd, yr + qd + kvd + kv * hd, hd * sizeof(float));
+        }
       }
       std::memcpy(qp + r * qd, yr, qd * sizeof(float));  // the queries, packed [R, nh, hd] for dmtd_attend::rows
     }
     TORCH_CHECK(prompt.empty() || static_cast<int64_t>(prompt.size()) == R, op, ": one prompt flag per row");
-    attend_rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), tp, tw, rslots.data(), rlens.data(), R, nh, nkv,
-                P, hd, scale, att.data_ptr<float>(), prompt.empty() ? nullptr : prompt.data());  // keys 0 .. its own
+    const uint8_t* pf = prompt.empty() ? nullptr : prompt.data();  // keys 0 .. its own position
+    if (kv16)
+      attend_rows(qp, kc[i].data_ptr<c10::BFloat16>(), vc[i].data_ptr<c10::BFloat16>(), tp, tw, rslots.data(),
+                  rlens.data(), R, nh, nkv, P, hd, scale, att.data_ptr<float>(), pf);
+    else
+      attend_rows(qp, kc[i].data_ptr<float>(), vc[i].data_ptr<float>(), tp, tw, rslots.data(), rlens.data(), R, nh,
+                  nkv, P, hd, scale, att.data_ptr<float>(), pf);
     h.add_(project_rows(att, o_w[i], o_s[i], mode));
     rms_rows(hp, ln2[i].data_ptr<float>(), xp, R, H, eps);
     at::Tensor gu = project_rows(x, gu_w[i], gu_s[i], mode);
@@ -775,15 +796,19 @@ std::tuple<at::Tensor, at::Tensor> top1(const at::Tensor& x_in) {
   return {idx, prob};
 }
 
-// Decode rows' attention over the paged float32 KV cache (attend.h): q [B, nh, hd] → [B, nh·hd] float32; row b reads
+// Decode rows' attention over the paged float32 or bfloat16 KV cache (attend.h): q [B, nh, hd] → [B, nh·hd] float32; row b reads
 // keys 0 .. lens[b] − 1 of sequence slots[b], whose pages are table[slots[b]] in kc/vc [pages, nkv, P, hd].
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table_in,
                   const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
                   const std::optional<at::Tensor>& prompt_in) {
   TORCH_CHECK(q_in.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(), "dmtd::attend: q [B, nh, hd], kc/vc "
               "[pages, nkv, page_size, hd]");
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
-              vc.is_contiguous(), "dmtd::attend: the KV cache must be contiguous float32");
+  const bool kv16 = kc.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((kc.scalar_type() == at::kFloat || kv16) && vc.scalar_type() == kc.scalar_type() && kc.is_contiguous() &&
+              vc.is_contiguous(), "dmtd::attend: the KV cache must be contiguous float32 or bfloat16");
+#if defined(DMTD_AMX)
+  TORCH_CHECK(!kv16, "dmtd::attend: the amx path keeps its KV cache in float32");
+#endif
   const int64_t B = q_in.size(0), nh = q_in.size(1), hd = q_in.size(2), nkv = kc.size(1), P = kc.size(2);
   TORCH_CHECK(kc.size(3) == hd && nh % nkv == 0, "dmtd::attend: head shapes do not match the cache");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
@@ -804,8 +829,13 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor
   }
   at::Tensor out = at::empty({B, nh * hd}, q.options());
   const std::vector<uint8_t> prompt = prompt_flags(prompt_in, B);
-  attend_rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), tp, tw, sp, lp, B, nh, nkv, P, hd,
-              static_cast<float>(scale), out.data_ptr<float>(), prompt.empty() ? nullptr : prompt.data());
+  const uint8_t* pf = prompt.empty() ? nullptr : prompt.data();
+  if (kv16)
+    attend_rows(q.data_ptr<float>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(), tp, tw, sp, lp, B,
+                nh, nkv, P, hd, static_cast<float>(scale), out.data_ptr<float>(), pf);
+  else
+    attend_rows(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), tp, tw, sp, lp, B, nh, nkv, P, hd,
+                static_cast<float>(scale), out.data_ptr<float>(), pf);
   return out;
 }
 
