@@ -76,6 +76,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="--against vllm: our replica's KV pool in GiB (dmtd serve --kv-cache-gib; default: dmtd "
                         "serve's own), e.g. 4 to match the pool vLLM gets here (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default=None,
+                   help="--against vllm: our replica's KV cache element (dmtd serve --kv-cache-dtype; default: dmtd "
+                        "serve's own, auto)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="--against vllm: 'dummy' runs --model's config with seeded random weights on both sides (ours: "
                         "dmtd serve --load-format dummy; vLLM: its --load-format dummy), a shape from `dmtd shapes "

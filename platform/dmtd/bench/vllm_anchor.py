@@ -266,6 +266,7 @@ def start_ours(args: argparse.Namespace, variant: str, max_conc: int) -> tuple[d
     ns.host, ns.grpc_port, ns.http_port, ns.metrics_port = "127.0.0.1", free_port(), free_port(), free_port()
     ns.model, ns.decoding_layers = args.model, args.decoding_layers
     ns.kv_cache_gib = getattr(args, "kv_cache_gib", None) or ns.kv_cache_gib
+    ns.kv_cache_dtype = getattr(args, "kv_cache_dtype", None) or ns.kv_cache_dtype
     ns.max_num_seqs = max(ns.max_num_seqs, max_conc)  # the default (64) unless a concurrency needs more
     info = start_stack(ns, variant)
     dtype, quant = variant_precision(variant, ns.dtype, ns.quant, "cpu")
