@@ -237,11 +237,13 @@ class LLMEngine:
             self.abort(rid)
             self.release(rid)
 
-    def generate(self, prompts: SequenceT[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
-        """Generate for all prompts together (continuous batching) and return results in order."""
+    def generate(self, prompts: SequenceT[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 variants: list[str] | None = None) -> list[GenerationResult]:
+        """Generate for all prompts together (continuous batching) and return results in order; ``variants``: each
+        prompt's variant (:meth:`add_request`)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(self.encode(p), sp) for p, sp in zip(prompts, plist)]
+        vlist = variants or [""] * len(prompts)
+        ids = [self.add_request(self.encode(p), sp, variant=v) for p, sp, v in zip(prompts, plist, vlist)]
         res = {rid: GenerationResult(rid, list(self.seqs[rid].token_ids), [], "", None) for rid in ids}
         t0 = None
         while any(r.finish_reason is None for r in res.values()):
