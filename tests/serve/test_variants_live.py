@@ -54,10 +54,10 @@ def chat(stack, model: str, **kw) -> httpx.Response:
                       json={"model": model, "messages": PROMPT, "max_tokens": 24, "temperature": 0, **kw})
 
 
-def stream_tokens(stack, out: list[int]) -> None:
+def stream_tokens(stack, out: list[int], n: int = 320) -> None:
     with DMTDClient(stack.grpc_target) as c:
-        for b in c.generate(messages=PROMPT, variant=VARIANT, max_new_tokens=64, ignore_eos=True, tau_min=1,
-                            tau_max=1, timeout_s=300):
+        for b in c.generate(messages=PROMPT, variant=VARIANT, max_new_tokens=n, ignore_eos=True, tau_min=1,
+                            tau_max=1, timeout_s=600):
             out.extend(b.token_ids)
 
 
@@ -65,13 +65,16 @@ def test_a_variant_registered_while_another_streams_answers_by_name_and_the_stre
     running: list[int] = []
     t = threading.Thread(target=stream_tokens, args=(stack, running))
     t.start()
+    wait_for(lambda: running)
     reg = variants_cli(stack, "register", str(dirs["smol-lora-a"]), "--status", "active")
     assert reg.returncode == 0, reg.stderr
     assert wait_for(lambda: "smol-lora-a" in model_ids(stack))
-    t.join(300)
+    overlapped = t.is_alive()
+    t.join(600)
     again: list[int] = []
     stream_tokens(stack, again)
-    assert len(running) == 64 and running == again  # the stream that ran through the load: the same tokens
+    assert overlapped  # the variant was loaded and routed while the stream ran
+    assert len(running) == 320 and running == again  # ... and the stream's tokens are those it writes alone
     # by name, through HTTP and gRPC: the variant's exact profile (its default) writes the base model's answer
     r = chat(stack, "smol-lora-a")
     assert r.status_code == 200, r.text
@@ -104,15 +107,22 @@ def test_corrupt_files_are_refused_naming_the_variant_and_the_others_serve(stack
 
 
 def test_a_new_replica_loads_the_registered_set_before_it_is_ready(stack):
+    import torch
+
     from dmtd.serve.engine_builder import EngineBuilder
     from dmtd.serve.replica import DMTDReplica
     from dmtd_contract.serve_config import EngineSettings
 
+    threads = torch.get_num_threads()
     builder = EngineBuilder(variant="none", decoding_layers=8, tau_max=4, torch_threads=1,
                             settings=EngineSettings(max_num_seqs=2, max_model_len=256, dtype="float32"))
-    replica = DMTDReplica(builder, registry_url=stack.registry_url, variant=VARIANT)  # (no event loop: no follow)
-    report = replica.variants.set.report()
+    try:
+        replica = DMTDReplica(builder, registry_url=stack.registry_url, variant=VARIANT, name="new-replica")
+    finally:
+        torch.set_num_threads(threads)
+    report = replica.variants.set.report()  # read as its constructor left it: before it could serve
     assert list(report["served"]) == ["smol-lora-a"] and "checksum mismatch" in report["failed"]["smol-broken"]
+    assert report["served"]["smol-lora-a"]["nbytes"] > 50e6
     replica.loop.worker.executor.shutdown(wait=True)
 
 
