@@ -121,8 +121,10 @@ class Gateway:
         while True:
             loading = False
             for primary, route in list(self.core.router.primaries.items()):
+                if not self.telemetry.replicas_ready.get(primary, 0):
+                    continue  # none running: asking would queue the call (and wake a deployment scaled to zero)
                 try:
-                    report = await route.handle.served_variants.remote()
+                    report = await asyncio.wait_for(route.handle.served_variants.remote(), 10.0)
                 except Exception:
                     continue
                 self.core.router.serve_tails(primary, report, self._registry_info)
