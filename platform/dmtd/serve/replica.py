@@ -193,7 +193,8 @@ class DMTDReplica:
                 "tau_bounds": (self.loop.controller.cfg.tau_min, self.loop.controller.cfg.tau_max),
                 "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence,
                 "default_profile": self.loop.controller.cfg.default_profile,
-                "metrics_url": self.telemetry.metrics_url, "warmup_s": self.warmup_s}
+                "metrics_url": self.telemetry.metrics_url, "warmup_s": self.warmup_s,
+                "variants": self.variants.set.report()}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve ``user_config``: τ bounds and gate from the operator or the registry; no restart."""
