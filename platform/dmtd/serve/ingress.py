@@ -113,15 +113,16 @@ class Gateway:
         self._syncs.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._syncs.discard)
 
-    async def _sync_tails(self, settle_s: float = 0.0, period_s: float = 0.25) -> None:
+    async def _sync_tails(self, settle_s: float = 0.0, period_s: float = 0.25, every: bool = False) -> None:
         """Routes to the variants each deployment's replicas serve beside their own, and refusals for those they
         could not load; with ``settle_s``, asked again every ``period_s`` while a load is under way (a registry
-        change: its replicas load the new variant within seconds)."""
+        change: its replicas load the new variant within seconds). Only deployments with a running replica are
+        asked, unless ``every`` (the warm-up has just reached each)."""
         start = time.monotonic()
         while True:
             loading = False
             for primary, route in list(self.core.router.primaries.items()):
-                if not self.telemetry.replicas_ready.get(primary, 0):
+                if not (every or self.telemetry.replicas_ready.get(primary, 0)):
                     continue  # none running: asking would queue the call (and wake a deployment scaled to zero)
                 try:
                     report = await asyncio.wait_for(route.handle.served_variants.remote(), 10.0)
@@ -190,6 +191,7 @@ class Gateway:
     async def _warm_all(self) -> dict[str, float]:
         """:meth:`warm`, then one request through the OpenAI route (unless every call needs a key)."""
         out = await self.warm()
+        await self._sync_tails(every=True)  # the replicas answered: the variants they serve are listed when ready
         if self._http_base is not None and not self.keys.enabled and self.core.router.routes:
             out["http"] = await asyncio.to_thread(warm_http, self._http_base, "default")  # the default variant
         return out
