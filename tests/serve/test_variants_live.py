@@ -129,7 +129,7 @@ def test_a_new_replica_loads_the_registered_set_before_it_is_ready(stack):
 def test_retiring_a_variant_under_load_fails_no_request_and_then_it_goes(stack):
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(chat, stack, "smol-lora-a", max_tokens=32) for _ in range(4)]
-        wait_for(lambda: stack.replica_stats()["active"] > 0)
+        wait_for(lambda: stack.replica_stats()["active"] >= 4)  # all four in flight at the replica
         assert variants_cli(stack, "retire", "smol-lora-a").returncode == 0
         assert [f.result().status_code for f in futures] == [200] * 4
     wait_for(lambda: "smol-lora-a" not in stack_replica(stack).served_variants.remote().result()["served"])
