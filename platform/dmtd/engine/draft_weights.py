@@ -124,15 +124,16 @@ class DraftWeights:
         plain step reads (every layer, the whole lm_head): what a tail costs where weight reads set the pace."""
         d, st = self.state.dmtd, self.state
         tail = self.layers[: d.thinking_start] + self.layers[d.decoding_start:]
-        return ((_layer_bytes(tail) + _weight_bytes(self.draft_head()))
-                / (_layer_bytes(st.weights) + _weight_bytes(st.head)))
+        return ((_layer_bytes(tail) + weight_bytes(self.draft_head()))
+                / (_layer_bytes(st.weights) + weight_bytes(st.head)))
 
 
-def _weight_bytes(w: object) -> int:
+def weight_bytes(w: object) -> int:
+    """Bytes a layer tensor or head holds (dense, or packed with its scales)."""
     if isinstance(w, lowbit.PackedWeight):
         return w.data.numel() * w.data.element_size() + w.scales.numel() * w.scales.element_size()
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
 
 
 def _layer_bytes(layers: list[LayerWeights]) -> int:
-    return sum(_weight_bytes(t) for lw in layers for t in lw)
+    return sum(weight_bytes(t) for lw in layers for t in lw)

@@ -10,7 +10,7 @@ import torch
 
 from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
-from dmtd.engine.draft_weights import DraftWeights
+from dmtd.engine.draft_weights import DraftWeights, weight_bytes
 from dmtd.engine.kv_cache import KVCache, bytes_per_position
 from dmtd.engine.kv_pages import KVPages, pages_for
 from dmtd.engine.model import LayerWeights, Transformer, project, route_decoding_input
@@ -133,7 +133,7 @@ class ModelRunner:
         packed = self._pack_layers(decoding, self.weight_format)
         self.state.tails[name] = self.weights[: d.decoding_start] + packed
         self.drafts.forget(name)
-        return sum(lowbit_bytes(t) for lw in packed for t in lw)
+        return sum(weight_bytes(t) for lw in packed for t in lw)
 
     def remove_tails(self, name: str) -> None:
         """Let a variant's layers go (none of its sequences may be left)."""
@@ -339,11 +339,3 @@ class ModelRunner:
         out = st.model.run_layers(inp, st.dmtd.thinking_start, st.dmtd.decoding_start, ctx.cos, ctx.sin,
                                     st.kv, ctx, st.weights)
         return out[:, -1:]
-
-
-
-def lowbit_bytes(t: object) -> int:
-    """Bytes a layer tensor holds (dense or packed)."""
-    if isinstance(t, lowbit.PackedWeight):
-        return t.data.numel() * t.data.element_size() + t.scales.numel() * t.scales.element_size()
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
