@@ -77,14 +77,14 @@ def test_exact_answers_of_every_variant_in_a_mixed_batch_are_the_base_models(ser
 
 def test_trunk_pages_are_shared_across_variants_on_a_shared_system_prompt(served):
     engine, _, _ = served
-    system = {"role": "system", "content": " ".join(["You are a careful assistant who answers briefly."] * 12)}
+    system = {"role": "system", "content": " ".join(["You are a careful assistant who answers briefly."] * 30)}
     prompts = [[system, {"role": "user", "content": c}] for c in CHATS[:3]]
     before = engine.cache_report()
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, exact=True), [""])
     rest = engine.generate(prompts[1:], SamplingParams(max_new_tokens=4, exact=True), ["other", "third"])
     after = engine.cache_report()
     assert after["prefix_hits"] - before["prefix_hits"] >= 2  # the other variants read the first one's trunk pages
-    assert after["prefix_cached_tokens"] - before["prefix_cached_tokens"] >= 2 * 128
+    assert after["prefix_cached_tokens"] - before["prefix_cached_tokens"] >= 2 * 256  # two whole chunks each
     assert all(r.finish_reason for r in rest)
     # an unverified answer reads its own variant's decoding-group KV: no pages across variants there
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, tau=2), [""])

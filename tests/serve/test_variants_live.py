@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import pytest
+import requests
 
 from dmtd.client import DMTDClient
 from tests.serve.conftest import VARIANT
@@ -38,7 +38,7 @@ def variants_cli(stack, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def model_ids(stack) -> list[str]:
-    return [m["id"] for m in httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"]]
+    return [m["id"] for m in requests.get(stack.http_url + "/v1/models", timeout=30).json()["data"]]
 
 
 def wait_for(what, timeout_s: float = 120.0):
@@ -49,8 +49,8 @@ def wait_for(what, timeout_s: float = 120.0):
     return got
 
 
-def chat(stack, model: str, **kw) -> httpx.Response:
-    return httpx.post(stack.http_url + "/v1/chat/completions", timeout=300,
+def chat(stack, model: str, **kw) -> requests.Response:
+    return requests.post(stack.http_url + "/v1/chat/completions", timeout=300,
                       json={"model": model, "messages": PROMPT, "max_tokens": 24, "temperature": 0, **kw})
 
 

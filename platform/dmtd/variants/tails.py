@@ -19,7 +19,7 @@ from dmtd.engine.model import LayerWeights
 from dmtd.variants.build import LORA_A, LORA_B, checked_file, find_variant, merge_lora, read_adapter
 from dmtd.variants.manifest import ManifestError, VariantManifest, base_fingerprint, read_manifest
 
-TRUNK_FIELDS = ("num_encoding_layers", "num_thinking_layers", "num_decoding_layers", "phase_anchor", "head_input")
+TRUNK_FIELDS = ("num_decoding_layers", "num_encoding_layers", "num_thinking_layers", "phase_anchor", "head_input")
 
 
 @dataclass(slots=True)
