@@ -29,9 +29,9 @@ def add_variants_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", type=int, default=3, help="variants the mixed run spreads its requests over")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=32, help="chat requests of each run")
+    p.add_argument("--requests", type=int, default=64, help="chat requests of each run")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2, help="one-variant and mixed runs alternated this many times")
+    p.add_argument("--rounds", type=int, default=3, help="one-variant and mixed runs alternated this many times")
     p.add_argument("--profile", default="exact", choices=("exact", "dmtd"))
     p.add_argument("--system-tokens", type=int, default=512, help="the shared system prompt of the prefix run")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
@@ -133,7 +133,8 @@ def run_variants_bench(args: argparse.Namespace) -> dict[str, Any]:
     names = ["", *(a["name"] for a in added)][: args.mix]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, exact=args.profile == "exact",
                             tau=None if args.profile == "exact" else 3)
-    prompts = [[{"role": "user", "content": CHATS[i % len(CHATS)]}] for i in range(args.requests)]
+    # distinct prompts (the same chats, numbered): no request reads another's answer from the caches
+    prompts = [[{"role": "user", "content": f"{CHATS[i % len(CHATS)]} (request {i})"}] for i in range(args.requests)]
     closed_loop(engine, prompts[:4], names[:1] * 4, 4, params)  # warm-up (packing, first passes)
     # each variant alone (the engine's own first: "one variant"), then all mixed in the same batches; alternated
     labels = [n or own for n in names]
