@@ -60,6 +60,9 @@ class ReplicaRequest:
     # the replica): "grpc" (``sampling.temperature``, ``chat.messages[0].content``), "openai-chat" /
     # "openai-completions" (``temperature``, ``messages[0].content``, ``max_tokens``)
     field_names: str = "grpc"
+    # the variant that runs it, of those its replica serves over one trunk (the gateway's route name); "": the
+    # replica's own
+    variant: str = ""
 
 
 @dataclass(slots=True)

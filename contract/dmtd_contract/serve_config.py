@@ -144,6 +144,10 @@ class VariantArgs(_Settings):
     replicas: int | None = Field(default=None, ge=0, le=1000,
                                  description="Replicas of this variant (default: the app's).")
     tau_max: int | None = Field(default=None, ge=1, le=16, description="Cap on the variant's own τ max.")
+    tails: list[str] = Field(
+        default_factory=list, description="More variants its replicas serve beside it, over the same trunk (base "
+        "model and layer split): shipped names or manifest paths. Requests name each by its manifest name; they share "
+        "the replica's steps and prefix cache. With a registry, every active variant of the trunk is served too.")
     dtype: Dtype | None = None
     quant: Quant | None = None
     drafts: Drafts | None = None
@@ -176,6 +180,9 @@ class ServeConfig(EngineSettings):
         default=None, description="The variant unnamed requests fall back to (default: the first).")
     replicas: int = Field(default=1, ge=0, le=1000,
                           description="Replicas of each variant (a variant may set its own).")
+    max_variants: int = Field(
+        default=8, ge=1, le=256, description="Variants a replica holds at most, its own included: loading one more "
+        "lets the least recently used idle one go (a variant with requests in flight is never let go).")
     routing: Routing = Field(
         default="prefix", description="Several replicas: 'prefix' sends a request to the replica likeliest to hold "
         "its prompt's prefix (load first); 'pow2' is Serve's default.")

@@ -63,9 +63,10 @@ def variant_args(v: Variant) -> Body:
     (``variant``); any other URI is the model the replica loads (``model``: a directory, ``smollm2`` the
     embedded default). A bare ``model_uri`` reached ``build_app`` as the variant's *name*, which no replica
     could resolve (tests/cluster: DEPLOY_FAILED, "variant 'smollm2-dmtd' not found")."""
+    tails = {"tails": [t.removeprefix(REGISTRY_SCHEME) for t in v.tails]} if v.tails else {}
     if v.model_uri.startswith(REGISTRY_SCHEME):
-        return {"name": v.name, "variant": v.model_uri.removeprefix(REGISTRY_SCHEME), "weight": v.weight}
-    return {"name": v.name, "variant": "none", "model": v.model_uri, "weight": v.weight}
+        return {"name": v.name, "variant": v.model_uri.removeprefix(REGISTRY_SCHEME), "weight": v.weight, **tails}
+    return {"name": v.name, "variant": "none", "model": v.model_uri, "weight": v.weight, **tails}
 
 
 def worker_cpus(spec: DMTDDeploymentSpec) -> int:

@@ -50,6 +50,12 @@ class Variant(_Model):
     weight: int = Field(
         default=100, ge=0, le=100, description="Traffic share in percent; weights sum to 100."
     )
+    tails: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="More variants its replicas serve beside it over the same trunk (base model and layer split), "
+        "each by its own name: `registry://<id>` of a variant the image ships, or a manifest path. With the "
+        "registry, every active variant of the trunk is served too (`dmtd variants register`).",
+    )
 
 
 class ReplicaBounds(_Model):

@@ -118,6 +118,8 @@ ENGINE_BENCHES = {
              "requests, a burst, one long request beside a full batch"),
     "passes": ("passes_bench", "where a verified cycle's time goes: the engine's passes by kind at each τ, a cycle "
                "priced in plain steps against the tokens it emits"),
+    "variants": ("variants_bench", "many variants over one trunk in one engine: one variant at c=16 against several "
+                 "mixed in the same batches, the bytes and load time of each added variant, prefix hits across them"),
     "ready": ("ready_bench", "dmtd serve as a new user starts it: the first request's TTFT sent when /v1/models first "
               "answers 200, against the next ones'"),
 }

@@ -66,6 +66,8 @@ def test_dmtd_serve_defaults_to_bf16_exact_and_four_concurrent_requests_get_the_
     assert done.returncode == 0, done.stderr[-2000:] + log[-3000:]
     served = json.loads(done.stdout.strip().splitlines()[-1])
     assert "precision bfloat16 " in log
+    # every shipped variant of the trunk, served by each replica from a fresh start (registered by dmtd serve)
+    assert {m["id"] for m in served["models"]["data"]} >= {"smollm2-135m-dmtd", "smollm2-135m-dmtd-lite"}
     base = build_engine(engine_spec(None, "none", dtype=__import__("torch").bfloat16),
                         EngineConfig(max_num_seqs=1, max_model_len=1024, dtype="bfloat16"))
     for chat, answer in zip(CHATS, served["answers"]):

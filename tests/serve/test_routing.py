@@ -40,3 +40,18 @@ def test_named_inactive_and_empty_cases() -> None:
     r.default = None
     with pytest.raises(VariantNotFound, match="no active variant"):
         r.resolve("")
+
+
+def test_the_variants_a_deployment_serves_beside_its_own_route_to_it_and_refusals_name_why() -> None:
+    r = router(stable=1.0, canary=0.0)
+    stable = r.routes["stable"].handle
+    r.serve_tails("stable", {"served": {"lite": {}, "canary": {}}, "failed": {"broken": "adapter checksum mismatch"}})
+    assert r.resolve("lite").handle is stable and r.resolve("lite").weight == 0.0
+    assert r.resolve("canary").handle is r.primaries["canary"].handle  # a deployment's own stays its own
+    assert [i["name"] for i in r.infos()] == ["canary", "lite", "stable"]
+    with pytest.raises(VariantNotFound, match="'broken' is not served: adapter checksum mismatch"):
+        r.resolve("broken")
+    assert Counter(r.resolve("").name for _ in range(200)) == {"stable": 200}  # weight 0: by name only
+    r.serve_tails("stable", {"served": {}, "failed": {}})  # let go: no route
+    with pytest.raises(VariantNotFound, match="'lite' is not served here"):
+        r.resolve("lite")

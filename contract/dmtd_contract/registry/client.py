@@ -125,6 +125,17 @@ class RegistryClient:
             raise VariantNotFound(None, "the registry has no default variant")
         return self.get(name)
 
+    def report_load(self, name: str, replica: str, error: str | None) -> None:
+        """What a replica made of a variant it was to serve: loaded (``error`` None), or why its files were refused
+        (what ``dmtd variants show`` prints beside the entry). Not a change of the entry: no revision, no notice."""
+        with self._errors():
+            self._redis.hset(self.keys.loads(name), replica, error or "")
+
+    def load_reports(self, name: str) -> dict[str, str]:
+        """Each replica's report of its load of ``name``: "" served, else why it was refused."""
+        with self._errors():
+            return dict(cast(dict[str, str], self._redis.hgetall(self.keys.loads(name))))
+
     def snapshot(self) -> RegistrySnapshot:
         """Every entry, the default and the revision, read consistently (retried if a write lands meanwhile)."""
         k = self.keys

@@ -45,6 +45,10 @@ class RegistryKeys:
         """One entry, as the JSON of a ``VariantEntry``."""
         return f"{self.prefix}:variant:{name}"
 
+    def loads(self, name: str) -> str:
+        """Hash of the replicas' loads of one variant: replica → "" (served) or why its files were refused."""
+        return f"{self.prefix}:loads:{name}"
+
     def status(self, status: VariantStatus) -> str:
         """Set of the names in one status."""
         return f"{self.prefix}:status:{status}"

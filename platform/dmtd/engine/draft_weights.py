@@ -29,6 +29,9 @@ class DraftWeights:
         self.layers: list[LayerWeights] = state.weights
         # dmtd::draft_layers' per-layer arguments gathered by column, per layer group (start, end): one sequence
         self.fused: dict[tuple[int, int], tuple[int, list[list[torch.Tensor]]]] | None = None
+        # the same for the other variants of the trunk (ModelState.tails), made on first use
+        self._variant_layers: dict[str, list[LayerWeights]] = {}
+        self._variant_fused: dict[str, dict[tuple[int, int], tuple[int, list[list[torch.Tensor]]]]] = {}
 
     def enable(self) -> None:
         """The drafts' own packed layers (first use of verified cycles), where their format fits the model."""
@@ -44,6 +47,42 @@ class DraftWeights:
             self.fused = None if None in fused.values() else fused  # type: ignore[assignment]
         else:
             self.format = None
+
+    def layers_for(self, variant: str) -> list[LayerWeights]:
+        """The draft passes' layers of ``variant``'s sequences (``""``: the engine's own): the shared encoding and
+        thinking groups, then its decoding group in the drafts' format."""
+        st = self.state
+        if not variant:
+            return self.layers
+        if self.layers is st.weights:
+            return st.weights_of(variant)
+        got = self._variant_layers.get(variant)
+        if got is None:
+            ds = st.dmtd.decoding_start
+            assert self.format is not None
+            got = self.layers[:ds] + lowbit.pack_layers(st.tails[variant][ds:], self.format)
+            self._variant_layers[variant] = got
+        return got
+
+    def fused_for(self, variant: str) -> dict[tuple[int, int], tuple[int, list[list[torch.Tensor]]]] | None:
+        """``fused`` for ``variant``'s sequences (None where the draft passes do not run fused)."""
+        if self.fused is None or not variant:
+            return self.fused
+        got = self._variant_fused.get(variant)
+        if got is None:
+            st, d = self.state, self.state.dmtd
+            group = st.model.rows_args(self.layers_for(variant), st.kv, d.decoding_start, d.num_layers)
+            if group is None:
+                return None
+            got = {**self.fused, (d.decoding_start, d.num_layers): group}
+            self._variant_fused[variant] = got
+        return got
+
+    def forget(self, variant: str) -> list[list[LayerWeights]]:
+        """Drop ``variant``'s draft layers; returns the lists dropped (their rows-op arguments go with them)."""
+        self._variant_fused.pop(variant, None)
+        got = self._variant_layers.pop(variant, None)
+        return [] if got is None else [got]
 
     def set_vocab(self, ids: torch.Tensor | None) -> None:
         """Drafts score only ``ids`` (FR-Spec); verification keeps the full vocabulary."""
@@ -85,15 +124,16 @@ class DraftWeights:
         plain step reads (every layer, the whole lm_head): what a tail costs where weight reads set the pace."""
         d, st = self.state.dmtd, self.state
         tail = self.layers[: d.thinking_start] + self.layers[d.decoding_start:]
-        return ((_layer_bytes(tail) + _weight_bytes(self.draft_head()))
-                / (_layer_bytes(st.weights) + _weight_bytes(st.head)))
+        return ((_layer_bytes(tail) + weight_bytes(self.draft_head()))
+                / (_layer_bytes(st.weights) + weight_bytes(st.head)))
 
 
-def _weight_bytes(w: object) -> int:
+def weight_bytes(w: object) -> int:
+    """Bytes a layer tensor or head holds (dense, or packed with its scales)."""
     if isinstance(w, lowbit.PackedWeight):
         return w.data.numel() * w.data.element_size() + w.scales.numel() * w.scales.element_size()
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
 
 
 def _layer_bytes(layers: list[LayerWeights]) -> int:
-    return sum(_weight_bytes(t) for lw in layers for t in lw)
+    return sum(weight_bytes(t) for lw in layers for t in lw)

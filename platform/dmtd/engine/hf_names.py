@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -26,25 +26,33 @@ def fused_state_dict(cfg: ModelConfig, expected: Mapping[str, torch.Tensor],
     if "lm_head.weight" in expected:  # an untied head
         own["lm_head.weight"] = sd.get("lm_head.weight", own["embed_tokens.weight"]).t()
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        own[a + "qkv_proj.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).t()
-        if cfg.qkv_bias:
-            own[a + "qkv_proj.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-        own[a + "o_proj.weight"] = take(a + "o_proj.weight").t()
-        if cfg.qk_norm:
-            own[a + "q_norm.weight"] = take(a + "q_norm.weight")
-            own[a + "k_norm.weight"] = take(a + "k_norm.weight")
-        own[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        ).t()
-        own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight").t()
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            own[p + n + ".weight"] = take(p + n + ".weight")
+        own.update(fused_layer(cfg, take, i))
     for k, t in own.items():
         if tuple(t.shape) != tuple(expected[k].shape):
             raise ConfigError(f"tensor {k} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
     return {k: v.contiguous() for k, v in own.items()}
+
+
+def fused_layer(cfg: ModelConfig, take: Callable[[str], torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s tensors under the engine's names, fused from HF ones (``take(name)`` reads one, without the
+    ``model.`` prefix)."""
+    own: dict[str, torch.Tensor] = {}
+    p = f"layers.{i}."
+    a = p + "self_attn."
+    own[a + "qkv_proj.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).t()
+    if cfg.qkv_bias:
+        own[a + "qkv_proj.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+    own[a + "o_proj.weight"] = take(a + "o_proj.weight").t()
+    if cfg.qk_norm:
+        own[a + "q_norm.weight"] = take(a + "q_norm.weight")
+        own[a + "k_norm.weight"] = take(a + "k_norm.weight")
+    own[p + "mlp.gate_up_proj.weight"] = torch.cat(
+        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+    ).t()
+    own[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight").t()
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        own[p + n + ".weight"] = take(p + n + ".weight")
+    return own
 
 
 def hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,10 +9,10 @@ from collections.abc import Sequence as SequenceT
 from typing import Any
 
 from dmtd.engine import lowbit
-from dmtd.engine.config import DMTDConfig, EngineConfig
+from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
 from dmtd.engine.forks import Forks
 from dmtd.engine.logits_process import LogitsShaper
-from dmtd.engine.model import Transformer
+from dmtd.engine.model import LayerWeights, Transformer
 from dmtd.engine.outputs import GenerationResult, StepOutput
 from dmtd.engine.pass_timer import PassTimer
 from dmtd.engine.phrase_table import PhraseTable
@@ -114,19 +114,24 @@ class LLMEngine:
         return self.requests.encode(prompt)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    req_id: str | None = None, prefill_with: str | None = None) -> str:
+                    req_id: str | None = None, prefill_with: str | None = None, variant: str = "") -> str:
         """Queue a request for a prompt's token ids (:meth:`encode` makes them of text or chat messages).
         ``prefill_with``: a sibling request with the same prompt whose prefill this one shares, if that is still to
-        come (dmtd.engine.forks); else it is prefilled on its own."""
+        come (dmtd.engine.forks); else it is prefilled on its own. ``variant``: whose tails it runs (one of
+        :attr:`variants`; ``""``: the engine's own)."""
         params = params or SamplingParams()
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.seqs:
             raise RequestError("request_id", f"{req_id!r} is already in use")
+        if variant and variant not in self.runner.state.tails:
+            loaded = ", ".join(self.variants) or "none but the engine's own"
+            raise RequestError("variant", f"{variant!r} is not loaded here (loaded: {loaded})")
         tau = params.tau if params.tau is not None else self.default_tau
-        seq = Sequence(req_id, self.requests.token_ids(prompt_token_ids), params, tau=tau)
+        seq = Sequence(req_id, self.requests.token_ids(prompt_token_ids), params, tau=tau, variant=variant)
         self.requests.open(seq, params)
+        sibling = self.seqs.get(prefill_with) if prefill_with else None
         try:
-            if not (prefill_with and self.forks.attach(seq, self.seqs.get(prefill_with))):
+            if not (sibling is not None and sibling.variant == variant and self.forks.attach(seq, sibling)):
                 self.scheduler.add(seq)
         except BaseException:  # refused (a RequestError) or broken: the request leaves nothing behind
             self.requests.forget(req_id)
@@ -134,6 +139,30 @@ class LLMEngine:
         if params.exact:
             self.cycles.enable()
         return req_id
+
+    # -- variants of the trunk ----------------------------------------------------------------------
+    @property
+    def variants(self) -> list[str]:
+        """The other variants served beside the engine's own (:meth:`add_variant`)."""
+        return sorted(self.runner.state.tails)
+
+    def add_variant(self, name: str, decoding_layers: list[LayerWeights]) -> int:
+        """Serve another variant of this engine's trunk (the same layer split and base weights below the decoding
+        group, which ``decoding_layers`` replace, dense in the model's dtype): its sequences share every step, the
+        trunk's rows and the prefix cache with the others, their tail path runs its decoding group. Returns the bytes
+        its layers hold."""
+        if not name or name in self.runner.state.tails:
+            raise ConfigError(f"variant {name!r}: a name not loaded yet is needed")
+        return self.runner.add_tails(name, decoding_layers)
+
+    def remove_variant(self, name: str) -> None:
+        """Stop serving ``name``: its layers are let go. Refused while a request of it is unfinished."""
+        if name not in self.runner.state.tails:
+            raise ConfigError(f"variant {name!r} is not loaded")
+        busy = [rid for rid, s in self.seqs.items() if s.variant == name and not s.finished]
+        if busy:
+            raise ConfigError(f"variant {name!r} still has {len(busy)} unfinished request(s)")
+        self.runner.remove_tails(name)
 
     def retune(self, req_id: str, tau: int | None = None, min_confidence: float | None = None) -> None:
         """Change a running request's τ and / or its confidence gate (the replica's controller); a new τ takes
@@ -208,11 +237,13 @@ class LLMEngine:
             self.abort(rid)
             self.release(rid)
 
-    def generate(self, prompts: SequenceT[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
-        """Generate for all prompts together (continuous batching) and return results in order."""
+    def generate(self, prompts: SequenceT[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 variants: list[str] | None = None) -> list[GenerationResult]:
+        """Generate for all prompts together (continuous batching) and return results in order; ``variants``: each
+        prompt's variant (:meth:`add_request`)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(self.encode(p), sp) for p, sp in zip(prompts, plist)]
+        vlist = variants or [""] * len(prompts)
+        ids = [self.add_request(self.encode(p), sp, variant=v) for p, sp, v in zip(prompts, plist, vlist)]
         res = {rid: GenerationResult(rid, list(self.seqs[rid].token_ids), [], "", None) for rid in ids}
         t0 = None
         while any(r.finish_reason is None for r in res.values()):

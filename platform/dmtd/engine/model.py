@@ -287,6 +287,10 @@ class Transformer(nn.Module):
         self._fused_args[key] = (weights, caches, out)
         return out
 
+    def forget_rows_args(self, weights: list[LayerWeights]) -> None:
+        """Drop the rows op's arguments gathered for ``weights`` (a variant's layers, let go)."""
+        self._fused_args = {k: v for k, v in self._fused_args.items() if v[0] is not weights}
+
     def _fused_rows(self, h: torch.Tensor, ctx: StepContext, mode: int, cols: list[list[torch.Tensor]]) -> torch.Tensor:
         """A layer group over the valid entries of ``h`` [B, S, H] by ``dmtd::rows_layers`` (padding entries come
         back as they went in: nothing reads them)."""

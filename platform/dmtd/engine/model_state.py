@@ -4,7 +4,8 @@ its pass runners (:mod:`dmtd.engine.prefill`, :mod:`dmtd.engine.verified_passes`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,10 @@ class ModelState:
     verifier: Verifier
     verify_weights: list[LayerWeights]  # the verifying path's: the shared groups', then the verifier's decoding group
     verify_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # other variants of the same trunk (dmtd.engine.tails): each one's layers, the engine's own up to the decoding
+    # group and then its decoding group, in the engine's format; one list object a variant (the rows op's arguments
+    # are gathered once per list)
+    tails: dict[str, list[LayerWeights]] = field(default_factory=dict)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return project(self.model.norm.forward(h), self.head)
@@ -86,3 +91,53 @@ class ModelState:
         return StepContext(cos=none, sin=none, attn_mask=None, read_len=int(pos.max()) + 1, kv_rows=kv_rows[:0],
                            table=self.cache.table, write_kv_rows=kv_rows, write_pos=pos, write_rows=None,
                            prompt_rows=prompt)
+
+    def weights_of(self, variant: str) -> list[LayerWeights]:
+        """The layers a sequence of ``variant`` runs its tail path on (``""``: the engine's own)."""
+        return self.weights if not variant else self.tails[variant]
+
+    def by_variant(self, variants: list[str], weights_of: Callable[[str], list[LayerWeights]] | None = None,
+                   ) -> list[tuple[list[LayerWeights], list[int] | None]]:
+        """Rows grouped by whose tails they run: (the group's layers, its rows' indices); a single group (indices
+        None: every row) where they all run the same."""
+        of = weights_of or self.weights_of
+        first = variants[0] if variants else ""
+        if all(v == first for v in variants):
+            return [(of(first), None)]
+        rows: dict[str, list[int]] = {}
+        for i, v in enumerate(variants):
+            rows.setdefault(v, []).append(i)
+        return [(of(v), idx) for v, idx in rows.items()]
+
+    def decoding_rows(self, x: torch.Tensor, variants: list[str],
+                      ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor:
+        """The tail path's decoding group over rows ``x`` [1, n, H] (``dmtd::rows_layers``), each row on its
+        variant's layers (``variants[r]``); ``ctx_of(keep)``: the context of the rows ``keep``."""
+        m, d = self.model, self.dmtd
+        groups = self.by_variant(variants)
+        if len(groups) == 1:
+            return m.run_rows(x, d.decoding_start, d.num_layers, self.kv, ctx_of(slice(None)), groups[0][0])
+        h = x.new_empty(x.shape)
+        for w, idx in groups:
+            assert idx is not None  # (several groups: each names its rows)
+            keep = torch.tensor(idx, device=self.device)
+            h[:, keep] = m.run_rows(x[:, keep], d.decoding_start, d.num_layers, self.kv, ctx_of(keep), w)
+        return h
+
+    def decoding_batch(self, x: torch.Tensor, variants: list[str], kv_rows: list[int], positions: torch.Tensor,
+                       valid: torch.Tensor | None, ctx: StepContext,
+                       weights_of: Callable[[str], list[LayerWeights]] | None = None) -> torch.Tensor:
+        """The tail path's decoding group over ``x`` [B, S, H] (sequence ``b`` of cache row ``kv_rows[b]`` at
+        ``positions[b]``, ``ctx`` their context), each sequence on its variant's layers (``weights_of``, else the
+        engine's): one call a variant, every row computed alone as in a batch of its own."""
+        m, d = self.model, self.dmtd
+        groups = self.by_variant(variants, weights_of)
+        if len(groups) == 1:
+            return m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, self.kv, ctx, groups[0][0])
+        h = torch.empty_like(x)
+        for w, idx in groups:
+            assert idx is not None
+            rows = torch.tensor(idx, device=self.device)
+            sub = self.context([kv_rows[i] for i in idx], positions[rows], None if valid is None else valid[rows])
+            h[rows] = m.run_layers(x[rows], d.decoding_start, d.num_layers, sub.cos, sub.sin, self.kv, sub, w)
+        return h

@@ -23,6 +23,7 @@ class DeferredRows(NamedTuple):
     kv_rows: torch.Tensor  # [n] each row's cache row
     pos: torch.Tensor  # [n] its position
     prompt: torch.Tensor  # [n] whether it is a prompt's position (not a resumed sequence's own token)
+    variants: list[str]  # [n] whose tails each row's sequence runs
 
 
 class RidingRows(NamedTuple):
@@ -65,12 +66,11 @@ class PrefillRunner:
         if not self.deferred:
             return torch.empty(1, 0, st.model.config.hidden_size, device=st.device)
         todo, self.deferred = self.deferred, []
-        m, d = st.model, st.dmtd
         st.cache.sync()
-        ctx = st.rows_context(torch.cat([t.kv_rows for t in todo]), torch.cat([t.pos for t in todo]),
-                              torch.cat([t.prompt for t in todo]))
-        return m.run_rows(torch.cat([t.x for t in todo])[None], d.decoding_start, d.num_layers, st.kv, ctx,
-                          st.weights)
+        kv_rows, pos = torch.cat([t.kv_rows for t in todo]), torch.cat([t.pos for t in todo])
+        prompt = torch.cat([t.prompt for t in todo])
+        return st.decoding_rows(torch.cat([t.x for t in todo])[None], [v for t in todo for v in t.variants],
+                                lambda keep: st.rows_context(kv_rows[keep], pos[keep], prompt[keep]))
 
     @staticmethod
     def riding_rows(prompts: list[Sequence]) -> RidingRows:
@@ -97,8 +97,10 @@ class PrefillRunner:
         self.prompt_logits = st.logits(torch.cat(lasts)) if lasts else h.new_empty(0, st.model.config.vocab_size)
 
     def variant_decoding_rows(self, x: torch.Tensor, late: torch.Tensor, seqs: list[Sequence], exact_now: bool,
-                              ctx_of: Callable[[torch.Tensor | slice], StepContext]) -> torch.Tensor:
-        """The variant's decoding group over rows ``x`` [1, n, H]: now for every row, or, where
+                              ctx_of: Callable[[torch.Tensor | slice], StepContext],
+                              variants: list[str]) -> torch.Tensor:
+        """The variant's decoding group over rows ``x`` [1, n, H] (row r on ``variants[r]``'s layers, as
+        :meth:`ModelState.decoding_rows`): now for every row, or, where
         ``draft_kv_after_first_token`` says so, now for the rows not in ``late`` [n] — the last rows of exact prompts
         whose first token this pass gives (of ``seqs``) — and at :meth:`catch_up` for those (their outputs here are
         left unset: the verifier's are theirs). A long prompt's earlier pieces keep theirs in their own pass: their
@@ -106,19 +108,21 @@ class PrefillRunner:
         read an earlier pass's deferred rows through shared pages: those are caught up first). ``ctx_of(keep)``: the
         rows' context."""
         st = self.state
-        m, d = st.model, st.dmtd
         if exact_now:
             self.catch_up()
         if not (st.cfg.draft_kv_after_first_token and bool(late.any())):
-            return m.run_rows(x, d.decoding_start, d.num_layers, st.kv, ctx_of(slice(None)), st.weights)
+            return st.decoding_rows(x, variants, ctx_of)
         full = ctx_of(slice(None))
         assert full.prompt_rows is not None
+        flags = late.tolist()
         self.deferred.append(DeferredRows(seqs=seqs, x=x[0, late], kv_rows=full.write_kv_rows[late],
-                                          pos=full.write_pos[late], prompt=full.prompt_rows[late]))
+                                          pos=full.write_pos[late], prompt=full.prompt_rows[late],
+                                          variants=[v for v, f in zip(variants, flags) if f]))
         h = x.new_empty(x.shape)
-        rest = ~late
-        if bool(rest.any()):
-            h[:, rest] = m.run_rows(x[:, rest], d.decoding_start, d.num_layers, st.kv, ctx_of(rest), st.weights)
+        rest = (~late).nonzero().squeeze(1)
+        if len(rest):
+            h[:, rest] = st.decoding_rows(x[:, rest], [variants[i] for i in rest.tolist()],
+                                          lambda keep: ctx_of(rest[keep]))
         return h
 
     @torch.inference_mode()
@@ -224,7 +228,8 @@ class PrefillRunner:
         late = [k for k in exact if seqs[order[k]].prefill_end == seqs[order[k]].num_tokens]  # first token due
         h = self.variant_decoding_rows(route_decoding_input(h_enc, h_think, head, d.head_input),
                                        torch.isin(owner, torch.tensor(late, dtype=torch.long, device=dev)),
-                                       [seqs[order[k]] for k in late], len(late) < len(exact), ctx_of)
+                                       [seqs[order[k]] for k in late], len(late) < len(exact), ctx_of,
+                                       [seqs[i].variant for i in order for _ in range(*rows[i])])
         if exact:  # the verifying path over the exact sequences' rows: its outputs are theirs
             assert st.verify_kv is not None
             xv = route_decoding_input(h_enc[:, keep], h_think[:, keep], torch.ones_like(head[:, keep]),
@@ -250,7 +255,8 @@ class PrefillRunner:
         head = self.head_mask(s, pos[0])[None]
         x = route_decoding_input(h_enc, h_think, head, d.head_input)
         # The decoding group must still write KV for every prompt position; logits only for the last.
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, st.kv, ctx, st.weights)
+        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, st.kv, ctx,
+                         st.weights_of(s.variant))
         if s.params.exact:  # verified cycles: the prompt through the verifying path too; its logits are the output
             self.enable_exact()
             xv = route_decoding_input(h_enc, h_think, torch.ones_like(head), st.verifier.head_input)

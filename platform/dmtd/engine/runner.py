@@ -10,7 +10,7 @@ import torch
 
 from dmtd.engine import lowbit
 from dmtd.engine.config import ConfigError, DMTDConfig, EngineConfig
-from dmtd.engine.draft_weights import DraftWeights
+from dmtd.engine.draft_weights import DraftWeights, weight_bytes
 from dmtd.engine.kv_cache import KVCache, bytes_per_position
 from dmtd.engine.kv_pages import KVPages, pages_for
 from dmtd.engine.model import LayerWeights, Transformer, project, route_decoding_input
@@ -138,6 +138,29 @@ class ModelRunner:
             return layers, dense.detach()
         return layers, lowbit.pack(dense.detach().t(), fmt)
 
+    def add_tails(self, name: str, decoding: list[LayerWeights]) -> int:
+        """Another variant of this engine's trunk (the same split, base weights below the decoding group): its
+        decoding group ``decoding`` (dense, in the model's dtype) in the engine's format, beside the engine's own.
+        Returns the bytes its layers hold."""
+        d = self.dmtd
+        if len(decoding) != d.num_decoding_layers:
+            raise ConfigError(f"variant {name!r}: {len(decoding)} decoding layers, this engine's trunk has "
+                              f"{d.num_decoding_layers}")
+        have = decoding[0].qkv.dtype
+        if have != self.dtype:
+            raise ConfigError(f"variant {name!r}: decoding layers in {str(have).removeprefix('torch.')}, the engine "
+                              f"runs {self.cfg.dtype}")
+        packed = self._pack_layers(decoding, self.weight_format)
+        self.state.tails[name] = self.weights[: d.decoding_start] + packed
+        self.drafts.forget(name)
+        return sum(weight_bytes(t) for lw in packed for t in lw)
+
+    def remove_tails(self, name: str) -> None:
+        """Let a variant's layers go (none of its sequences may be left)."""
+        layers = self.state.tails.pop(name)
+        for w in [layers, *self.drafts.forget(name)]:
+            self.model.forget_rows_args(w)
+
     def enable_exact(self) -> None:
         """Allocate the verifying path's KV and the drafts' weights (first use of verified cycles)."""
         if self.state.enable_verify():
@@ -233,7 +256,7 @@ class ModelRunner:
             x = h_enc.clone()
             head_rows = torch.tensor(heads, device=dev)
             x[head_rows] = h_think + h_enc[head_rows] if d.head_input == "residual_add" else h_think
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, st.kv, ctx, st.weights)
+        h = st.decoding_batch(x, [s.variant for s in seqs], kv_rows, pos, None, ctx)
         return self._decode_logits(h[:, 0], tails, bool(heads))
 
     def _decode_with_prompts(self, seqs: list[Sequence], prompts: list[Sequence]) -> torch.Tensor:
@@ -291,7 +314,8 @@ class ModelRunner:
         mask = self.prefill_runner.head_mask
         head = torch.cat([mask(s, torch.arange(a, b, device=dev)) for s, (a, b) in zip(prompts, spans)])[None]
         x[:, B:] = route_decoding_input(h_enc[:, B:], h_think[:, nt:], head, d.head_input)
-        h = m.run_rows(x, d.decoding_start, d.num_layers, st.kv, ctx, st.weights)
+        variants = [s.variant for s in seqs] + [s.variant for s, (a, b) in zip(prompts, spans) for _ in range(a, b)]
+        h = st.decoding_rows(x, variants, lambda keep: st.rows_context(kv_rows[keep], pos[keep], is_prompt[keep]))
         self.prefill_runner.riders_logits(h[0], B, prompts, spans)
         return self._decode_logits(h[0, :B], tails, bool(heads))
 
@@ -335,4 +359,3 @@ class ModelRunner:
         out = st.model.run_layers(inp, st.dmtd.thinking_start, st.dmtd.decoding_start, ctx.cos, ctx.sin,
                                     st.kv, ctx, st.weights)
         return out[:, -1:]
-

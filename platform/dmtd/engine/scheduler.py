@@ -240,7 +240,11 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """A cache row and KV pages for ``seq`` (its prompt's published chunks shared); False (back to the queue's
         head) if the pool cannot give them."""
+        # exact sequences of every variant share the trunk's and the verifier's KV (their tails' decoding-group KV of
+        # a shared page is the publisher's: it shapes drafts only); an unverified sequence's output reads its own
         salt = f"{int(seq.params.exact)}:{seq.tau if self.dmtd.phase_anchor == 'absolute' else 0}"
+        if not seq.params.exact and seq.variant:
+            salt += f":{seq.variant}"
         if not self.kv.admit(seq, salt):
             self.waiting.appendleft(seq)
             return False

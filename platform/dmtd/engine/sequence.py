@@ -130,6 +130,7 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     tau: int
+    variant: str = ""  # whose tails its tail path runs (dmtd.engine.model_state.ModelState.tails); "": the engine's own
     prompt_len: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     kv_row: int = -1  # its row of the KV cache's page table (dmtd.engine.kv_manager); -1: none

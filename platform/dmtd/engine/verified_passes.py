@@ -40,20 +40,21 @@ class VerifiedPassRunner:
         last = [s.draft_position for s in seqs]
         counts = [q - s.num_tail_cached + 1 for s, q in zip(seqs, last)]
         ids = torch.tensor([[s.draft.tokens[-1] if s.draft.tokens else s.token_ids[-1]] for s in seqs], device=dev)
-        if self.drafts.fused is not None and len(seqs) == 1:  # one sequence: its layers in one call each group
+        fused = self.drafts.fused_for(seqs[0].variant) if len(seqs) == 1 else None
+        if fused is not None:  # one sequence: its layers in one call each group
             s, q = seqs[0], last[0]
-            x = self._draft_stack(m.embed_tokens(ids[0]).to(st.act_dtype), 0, d.thinking_start, s.kv_row, q)
+            x = self._draft_stack(m.embed_tokens(ids[0]).to(st.act_dtype), 0, d.thinking_start, s.kv_row, q, fused)
             if counts[0] > 1:
                 x = torch.cat((st.cache.stash_read(s.kv_row, s.num_tail_cached, q), x))
-            h = self._draft_stack(x, d.decoding_start, d.num_layers, s.kv_row, q)
+            h = self._draft_stack(x, d.decoding_start, d.num_layers, s.kv_row, q, fused)
             return self._draft_logits(m.norm.forward(h[-1:]), seqs)
         # many rows: the engine's own weights where its kernel is the faster one (draft_policy.DENSE_DRAFT_ROWS)
         dense = (self.drafts.layers is not st.weights
                  and len(seqs) >= DENSE_DRAFT_ROWS.get(kernel_path(), 1 << 30))
-        weights = st.weights if dense else self.drafts.layers
-        ctx = st.context(kv_rows, torch.tensor([[q] for q in last], device=dev), None)
+        pos, valid = torch.tensor([[q] for q in last], device=dev), None
+        ctx = st.context(kv_rows, pos, valid)
         x = m.run_layers(m.embed_tokens(ids).to(st.act_dtype), 0, d.thinking_start, ctx.cos, ctx.sin, st.kv, ctx,
-                         weights)
+                         st.weights if dense else self.drafts.layers)
         if max(counts) > 1:
             pos, valid = st.right_aligned(last, counts)
             R = pos.shape[1]
@@ -64,7 +65,8 @@ class VerifiedPassRunner:
                 if counts[i] > 1:
                     x[i, R - counts[i]: R - 1] = st.cache.stash_read(s.kv_row, s.num_tail_cached, last[i])
             ctx = st.context(kv_rows, pos, valid)
-        h = m.run_layers(x, d.decoding_start, d.num_layers, ctx.cos, ctx.sin, st.kv, ctx, weights)
+        h = st.decoding_batch(x, [s.variant for s in seqs], kv_rows, pos, valid, ctx,
+                              st.weights_of if dense else self.drafts.layers_for)
         return self._draft_logits(m.norm.forward(h[:, -1]), seqs, dense)
 
     def _draft_logits(self, h: torch.Tensor, seqs: list[Sequence], dense: bool = False) -> torch.Tensor:
@@ -97,17 +99,17 @@ class VerifiedPassRunner:
         _, dw.pass_ids, cols = dw.context_head
         return torch.cat((logits.float(), h.float() @ cols), dim=-1)
 
-    def _draft_stack(self, h: torch.Tensor, start: int, end: int, kv_row: int, last: int) -> torch.Tensor:
+    def _draft_stack(self, h: torch.Tensor, start: int, end: int, kv_row: int, last: int,
+                     fused: dict[tuple[int, int], tuple[int, list[list[torch.Tensor]]]]) -> torch.Tensor:
         """Layers ``start..end`` of the draft path over rows ``h`` [R, H]: one sequence's positions
-        ``last - R + 1 .. last`` (``dmtd::draft_layers``, the packed draft weights)."""
+        ``last - R + 1 .. last`` (``dmtd::draft_layers``, the packed draft weights' arguments ``fused``)."""
         st = self.state
         if start == end:
             return h
-        assert self.drafts.fused is not None
         st.cache.sync()
         cfg, R = st.model.config, h.shape[0]
         pos = torch.arange(last - R + 1, last + 1, device=st.device)
-        mode, cols = self.drafts.fused[(start, end)]
+        mode, cols = fused[(start, end)]
         cos, sin = st.model.rope_cos, st.model.rope_sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
         return torch.ops.dmtd.draft_layers(
@@ -200,7 +202,8 @@ class VerifiedPassRunner:
         hp = pr.variant_decoding_rows(route_decoding_input(h_enc[:, prompt], h_think[:, prompt], head, d.head_input),
                                       late, [s for s, f in zip(prompts, due) if f],
                                       any(s.params.exact and b < s.num_tokens for s, (a, b) in zip(prompts, spans)),
-                                      lambda keep: rows_ctx(torch.arange(nc, len(ids), device=dev)[keep]))
+                                      lambda keep: rows_ctx(torch.arange(nc, len(ids), device=dev)[keep]),
+                                      [s.variant for s, (a, b) in zip(prompts, spans) for _ in range(a, b)])
         out = h_enc.new_empty(h_enc.shape)
         out[:, prompt] = hp
         out[:, exact] = hv

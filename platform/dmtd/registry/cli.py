@@ -108,7 +108,8 @@ def cmd_list(args: argparse.Namespace, client: RegistryClient) -> int:
 def cmd_show(args: argparse.Namespace, client: RegistryClient) -> int:
     snap = client.snapshot()
     entry = snap.get(args.name)
-    data = {**entry.model_dump(), "is_default": snap.default_name == entry.name}
+    data = {**entry.model_dump(), "is_default": snap.default_name == entry.name,
+            "loads": {r: why or "served" for r, why in sorted(client.load_reports(entry.name).items())}}
     if args.json:
         _print_json(data)
     else:

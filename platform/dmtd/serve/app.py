@@ -61,7 +61,7 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Any:
                                     health_check_period_s=5, ray_actor_options=dict(replica_actor),
                                     graceful_shutdown_timeout_s=DRAIN_GRACE_S + 5, **router)
         handles[v.name] = dep.bind(builder, engine.max_queued, None, cfg.registry_url, v.name, telemetry, limits,
-                                   cfg.stream_interval_ms)
+                                   cfg.stream_interval_ms, list(v.tails), cfg.max_variants)
         deployments[v.name] = name
         infos.append({"name": v.name, "base_model": v.model or "smollm2", "status": "active",
                       "traffic_weight": v.weight})

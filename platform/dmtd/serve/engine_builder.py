@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dmtd.serve.controller import ControllerConfig
 from dmtd_contract.serve_config import EngineSettings
@@ -26,6 +26,9 @@ class EngineBuilder:
     torch_threads: int = 0  # 0: env DMTD_TORCH_THREADS, else every core
     load_format: str | None = None  # None: env DMTD_LOAD_FORMAT, else "auto" (dmtd.variants.loader.LOAD_FORMATS)
     settings: EngineSettings = field(default_factory=EngineSettings)
+    # set by the call: what other variants of the built engine share (dmtd.variants.tails.Trunk; None where the model
+    # has no files to build tails from, e.g. dummy weights)
+    trunk: Any = None
 
     def __call__(self) -> tuple[LLMEngine, ControllerConfig]:
         import torch
@@ -51,6 +54,10 @@ class EngineBuilder:
                                                  context_drafts=s.context_drafts, phrase_drafts=s.phrase_drafts,
                                                  prefill_pace=s.prefill_pace,
                                                  long_prefill_tokens=s.long_prefill_tokens))
+        if load_format != "dummy":
+            from dmtd.variants.tails import trunk_of
+
+            self.trunk = trunk_of(spec.loaded.path, spec.loaded.config, spec.dmtd)
         tau_max = min(self.tau_max or spec.dmtd.tau_max, spec.dmtd.tau_max)
         cfg = ControllerConfig(tau_min=1, tau_max=tau_max, rest_tau=min(spec.default_tau, tau_max),
                                rest_min_confidence=spec.min_confidence, itl_slo_ms=s.itl_slo_ms,

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,13 +72,23 @@ class SeqInfo:
 
 
 @dataclass
+class EngineCall:
+    """Work on the engine between two steps (a variant loaded or let go): ``fn(engine)``, its result or error set on
+    ``future`` (which the event loop awaits)."""
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
+
+
+@dataclass
 class Job:
-    """One engine-thread job: aborts, the controller's τ and gate for the live requests, admissions, a step."""
+    """One engine-thread job: engine calls, aborts, the controller's τ and gate for the live requests, admissions,
+    a step."""
     aborts: list[str]
     admissions: list[tuple[str, int, float, SamplingParams]]
     requests: dict[str, ReplicaRequest]  # of the admissions
     taus: dict[str, tuple[int, bool]]  # live request → its τ, and whether its gate is pinned
     min_confidence: float
+    calls: list[EngineCall] = field(default_factory=list)
 
 
 @dataclass
@@ -106,11 +117,16 @@ def run_job(engine: LLMEngine, job: Job, encode: Callable[[ReplicaRequest], list
     for rid in job.aborts:
         e.abort(rid)
         e.release(rid)
+    for call in job.calls:  # before the admissions: a variant loaded here serves a request admitted with it
+        try:
+            call.future.set_result(call.fn(e))
+        except Exception as err:
+            call.future.set_exception(err)
     added: list[tuple[str, BaseException | None, float, int]] = []
     for rid, _tau, _conf, params in job.admissions:
         try:
             req = job.requests[rid]
-            e.add_request(encode(req), params, req_id=rid, prefill_with=req.prefill_with or None)
+            e.add_request(encode(req), params, req_id=rid, prefill_with=req.prefill_with or None, variant=req.variant)
             added.append((rid, None, time.time(), e.seqs[rid].prompt_len))
         except Exception as err:
             added.append((rid, err, time.time(), 0))

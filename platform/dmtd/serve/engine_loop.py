@@ -33,15 +33,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import RequestError, SamplingParams
 from dmtd.serve.block_delivery import BlockDelivery
 from dmtd.serve.controller import ControllerConfig, TauController
-from dmtd.serve.engine_job import Done, Job, Live, Pushed, internal_error
+from dmtd.serve.engine_job import Done, EngineCall, Job, Live, Pushed, internal_error
 from dmtd.serve.engine_thread import EngineWorker, LoopDied, engine_executor
 from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
 from dmtd.serve.push import BlockPusher
@@ -50,6 +50,7 @@ from dmtd.telemetry.replica import ReplicaState, ReplicaTelemetry
 from dmtd_contract.records import Block, ReplicaRequest
 
 log = logging.getLogger("dmtd.replica")
+T = TypeVar("T")
 
 class EngineLoop:
     """Owns the engine; admits requests, consumes the engine thread's steps (its ``worker``, :class:`EngineWorker`),
@@ -202,6 +203,16 @@ class EngineLoop:
                 self._stage_abort(req.request_id)
             if tel is not None:
                 tel.on_finish(req.request_id, "abort")  # no-op when the request already finished
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine's thread between two steps (a variant loaded or let go): its result, or
+        its error raised here; the streams in flight go on at the next step."""
+        future: Future[T] = Future()
+        self._ensure_task()
+        with self.worker.lock:
+            self.worker.inbox.calls.append(EngineCall(fn, future))
+            self.worker.kick()
+        return await asyncio.wrap_future(future)
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from dmtd.engine.llm import LLMEngine
 from dmtd.engine.sequence import SamplingParams
-from dmtd.serve.engine_job import Done, Job, encode_prompt, run_job
+from dmtd.serve.engine_job import Done, EngineCall, Job, encode_prompt, run_job
 from dmtd_contract.records import ReplicaRequest
 
 MAX_AHEAD = 2  # finished jobs that may wait for the event loop before the engine thread stops for it
@@ -33,14 +33,15 @@ class Inbox:
     requests: dict[str, ReplicaRequest] = field(default_factory=dict)  # of the admissions
     taus: dict[str, tuple[int, bool]] | None = None  # the controller's latest decision for every live request
     min_confidence: float = 0.0  # (its gate)
+    calls: list[EngineCall] = field(default_factory=list)  # work on the engine itself (a variant loaded, let go)
 
     def take(self) -> Job | None:
         """Everything staged, as one job, and empty again; None when nothing is staged."""
-        if not self.aborts and not self.admissions and self.taus is None:
+        if not self.aborts and not self.admissions and self.taus is None and not self.calls:
             return None
         job = Job(aborts=self.aborts, admissions=self.admissions, requests=self.requests, taus=self.taus or {},
-                  min_confidence=self.min_confidence)
-        self.aborts, self.admissions, self.requests, self.taus = [], [], {}, None
+                  min_confidence=self.min_confidence, calls=self.calls)
+        self.aborts, self.admissions, self.requests, self.taus, self.calls = [], [], {}, None, []
         return job
 
 
@@ -79,7 +80,7 @@ class EngineWorker:
         if self.running or self.halted or len(self.results) >= MAX_AHEAD:
             return
         inbox = self.inbox
-        if self.unfinished or inbox.aborts or inbox.admissions or inbox.taus is not None:
+        if self.unfinished or inbox.aborts or inbox.admissions or inbox.taus is not None or inbox.calls:
             self.executor.submit(self._job_loop)
             self.running = True
 

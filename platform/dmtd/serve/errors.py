@@ -29,6 +29,18 @@ class RequestFailed(RuntimeError):
         return (RequestFailed, (self.field, str(self)))
 
 
+class VariantUnavailable(RuntimeError):
+    """The request names a variant this replica does not serve: unknown, still loading, its files refused, or retired
+    (gRPC NOT_FOUND, HTTP 404); the message names it and why."""
+
+    def __init__(self, variant: str, message: str) -> None:
+        super().__init__(message)
+        self.variant = variant
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (VariantUnavailable, (self.variant, str(self)))
+
+
 class ReplicaInternalError(RuntimeError):
     """A request failed for a reason that is not its input's fault; ``error_id`` is in the replica's log."""
 

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dmtd.serve.auth import ApiKeys, AuthInterceptor
 from dmtd.serve.convert import merge_blocks, rechunk, to_token_block, to_variant_info
-from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed
+from dmtd.serve.errors import Overloaded, ReplicaInternalError, RequestFailed, VariantUnavailable
 from dmtd.serve.push import BlockSink
 from dmtd.serve.requests import InvalidRequest, Limits, TooLarge, from_proto
 from dmtd.serve.routing import Route, Router
@@ -92,6 +92,7 @@ class GatewayCore:
         request; TTFT and per-token ITL are measured on the blocks as the client receives them."""
         self.inflight += 1
         self.accepted += 1
+        req.variant = route.name  # which of its replicas' variants runs it (their own, or a tail)
         rt = self.telemetry.start(route.name, req.request_id, traceparent,
                                   {"dmtd.max_new_tokens": req.max_new_tokens})
         req.traceparent = rt.traceparent
@@ -190,6 +191,8 @@ class GatewayCore:
             return GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms)
         if isinstance(e, RequestFailed):
             return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field)
+        if isinstance(e, VariantUnavailable):
+            return GatewayError(grpc.StatusCode.NOT_FOUND, str(e), field="model")
         if isinstance(e, ReplicaInternalError):
             return GatewayError(grpc.StatusCode.INTERNAL, f"internal error: {e}")
         if isinstance(raw, _unavailable_types()) or isinstance(e, _unavailable_types()):

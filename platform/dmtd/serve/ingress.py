@@ -77,6 +77,7 @@ class Gateway:
                 self.telemetry.ins.add(m.ROUTE_DECISIONS_TOTAL, 0, variant=v, reason=reason)
         self._ready_task = asyncio.get_running_loop().create_task(self._follow_replicas())
         self.view: Any = None
+        self._syncs: set[asyncio.Task[None]] = set()
         if registry_url:
             from dmtd_contract.registry import RegistryClient, RegistryView
 
@@ -96,7 +97,8 @@ class Gateway:
         self._drain_watch = pod_drain.watch(self.drain)  # an ingress pod's preStop (dmtd.serve.pod_drain)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
-        """Follow the registry: status, canary weight, τ range and default of every served variant."""
+        """Follow the registry: status, canary weight, τ range and default of every served variant; the replicas
+        load and let go the variants of their trunk that it activates and retires (their routes follow)."""
         router = self.core.router
         default = snapshot.default_name if hasattr(snapshot, "default_name") else None
         for name in list(router.routes):
@@ -107,6 +109,39 @@ class Gateway:
             router.update(name, RouteInfo.from_entry(entry), snapshot.revision)
         if default in router.routes:
             router.default = default
+        task = asyncio.get_running_loop().create_task(self._sync_tails(settle_s=60.0))
+        self._syncs.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._syncs.discard)
+
+    async def _sync_tails(self, settle_s: float = 0.0, period_s: float = 0.25, every: bool = False) -> None:
+        """Routes to the variants each deployment's replicas serve beside their own, and refusals for those they
+        could not load; with ``settle_s``, asked again every ``period_s`` while a load is under way (a registry
+        change: its replicas load the new variant within seconds). Only deployments with a running replica are
+        asked, unless ``every`` (the warm-up has just reached each)."""
+        start = time.monotonic()
+        while True:
+            loading = False
+            for primary, route in list(self.core.router.primaries.items()):
+                if not (every or self.telemetry.replicas_ready.get(primary, 0)):
+                    continue  # none running: asking would queue the call (and wake a deployment scaled to zero)
+                try:
+                    report = await asyncio.wait_for(route.handle.served_variants.remote(), 10.0)
+                except Exception:
+                    continue
+                self.core.router.serve_tails(primary, report, self._registry_info)
+                loading = loading or bool(report.get("loading"))
+            elapsed = time.monotonic() - start  # (a replica may not have begun a load the registry just asked for)
+            if elapsed >= settle_s or (not loading and elapsed >= min(settle_s, 2.0)):
+                return
+            await asyncio.sleep(period_s)
+
+    def _registry_info(self, name: str) -> RouteInfo | None:
+        if self.view is None:
+            return None
+        try:
+            return RouteInfo.from_entry(self.view.snapshot.get(name))
+        except Exception:
+            return None
 
     async def _follow_replicas(self, period_s: float = 10.0, start_period_s: float = 1.0) -> None:
         """Keep the replicas-ready gauge (and the dashboard's $/hour) at Serve's count of running replicas.
@@ -132,6 +167,8 @@ class Gateway:
                     self.telemetry.replicas_ready[variant] = sum(
                         1 for r in replicas if str(getattr(r.get("state"), "value", r.get("state"))) == "RUNNING")
                 all_up = all(self.telemetry.replicas_ready.get(v, 0) > 0 for v in self.replica_deployments)
+            with contextlib.suppress(Exception):
+                await self._sync_tails()
             await asyncio.sleep(period_s if all_up else start_period_s)
 
     async def warm(self, max_new_tokens: int = 2) -> dict[str, float]:
@@ -154,6 +191,7 @@ class Gateway:
     async def _warm_all(self) -> dict[str, float]:
         """:meth:`warm`, then one request through the OpenAI route (unless every call needs a key)."""
         out = await self.warm()
+        await self._sync_tails(every=True)  # the replicas answered: the variants they serve are listed when ready
         if self._http_base is not None and not self.keys.enabled and self.core.router.routes:
             out["http"] = await asyncio.to_thread(warm_http, self._http_base, "default")  # the default variant
         return out

@@ -110,10 +110,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def ensure_registered(url: str, name: str, variant: str, model: str | None, decoding_layers: int | None) -> None:
-    """Put the served variant in the registry (active, default) unless it is there already."""
+    """Put the served variant in the registry (active, default) unless it is there already, and every other shipped
+    variant of its trunk (active, no share of unnamed requests: its replicas serve each by name)."""
     from dmtd_contract.registry import RegistryClient, VariantNotFound, VariantSpec
 
     with RegistryClient(url) as reg:
+        if variant != "none" and model in (None, "smollm2"):
+            register_shipped_tails(reg, variant)
         try:
             reg.get(name)
             return
@@ -140,6 +143,30 @@ def ensure_registered(url: str, name: str, variant: str, model: str | None, deco
                 "description": "base model with DMTD routing (untrained)" if decoding_layers else "plain base model",
             })
         reg.register(spec, status="active", traffic_weight=1.0, make_default=True)
+
+
+def register_shipped_tails(reg: Any, variant: str) -> list[str]:
+    """Register (active, weight 0) each shipped variant that shares ``variant``'s trunk — its base and layer split —
+    and is not registered yet; the names registered."""
+    from dmtd.variants.build import find_variant
+    from dmtd.variants.manifest import MANIFEST_NAME, read_manifest
+    from dmtd.variants.paths import SHIPPED_VARIANTS
+    from dmtd_contract.registry import VariantNotFound, VariantSpec
+
+    own = read_manifest(find_variant(variant, [SHIPPED_VARIANTS]))
+    trunk = ("base_model", "base_fingerprint", "num_encoding_layers", "num_thinking_layers", "num_decoding_layers",
+             "phase_anchor", "head_input")
+    done = []
+    for path in sorted(SHIPPED_VARIANTS.glob(f"*/{MANIFEST_NAME}")):
+        m = read_manifest(path)
+        if m.name == own.name or any(getattr(m, f) != getattr(own, f) for f in trunk):
+            continue
+        try:
+            reg.get(m.name)
+        except VariantNotFound:
+            reg.register(VariantSpec.from_manifest(m, manifest_path=str(path)), status="active", traffic_weight=0.0)
+            done.append(m.name)
+    return done
 
 
 def start_with_retry(start: Callable[[], None], attempts: int, cleanup: Callable[[], None],

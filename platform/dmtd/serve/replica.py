@@ -22,6 +22,7 @@ from dmtd.serve.controller import ControllerConfig, TauController
 from dmtd.serve.engine_loop import EngineLoop, engine_executor
 from dmtd.serve.errors import Overloaded, RequestFailed
 from dmtd.serve.push import BlockPusher, PushUnavailable
+from dmtd.serve.replica_variants import ReplicaVariants
 from dmtd.serve.requests import InvalidRequest, Limits, check_types, validate
 from dmtd.serve.warmup import warm_up
 from dmtd.telemetry.config import TelemetrySettings, telemetry_settings
@@ -48,7 +49,7 @@ class DMTDReplica:
     def __init__(self, engine_factory: EngineFactory, max_queued: int = 64, name: str | None = None,
                  registry_url: str | None = None, variant: str | None = None,
                  telemetry: dict[str, Any] | None = None, limits: dict[str, Any] | None = None,
-                 stream_interval_ms: float = 0.0) -> None:
+                 stream_interval_ms: float = 0.0, tails: list[str] | None = None, max_variants: int = 8) -> None:
         bind_serve_internal_grpc()
         if not 0.0 <= float(stream_interval_ms) <= 1000.0:
             raise ValueError(f"stream_interval_ms: must be within 0..1000 ms, got {stream_interval_ms!r}")
@@ -57,12 +58,26 @@ class DMTDReplica:
         self.limits = Limits(**(limits or {}))  # the gateway's: a request it let through passes here too
         executor = engine_executor()  # the engine is built, and only ever run, on this one thread (engine_loop)
         engine, cfg = executor.submit(engine_factory).result()
-        # ready means warm: Serve routes to a replica once this constructor returns
-        self.warmup_s = executor.submit(warm_up, engine, cfg.tau_max, cfg.default_profile).result()
         # unique across nodes: a pid alone is not (replicas started alike in containers of one image got the same)
         self.name = name or f"replica-{socket.gethostname()}-{os.getpid()}"
+        # the other variants of its trunk: its arguments' and, with a registry, every active one, loaded before it is
+        # ready (a new or restarted replica serves the whole set from its first request)
+        self.variants = ReplicaVariants(variant or "default", getattr(engine_factory, "trunk", None), max_variants,
+                                        self.name)
+        self._registered: set[str] = set()  # loaded because the registry names them
+        self.variants.registry = _registry_client(registry_url)
+        for source in tails or []:
+            self.variants.load_now(executor, engine, source)
+        if self.variants.registry is not None:
+            with contextlib.suppress(Exception):  # unavailable: its own variant and its arguments' serve
+                for vname, source in self.variants.desired(self.variants.registry.snapshot()).items():
+                    self._registered.add(vname)
+                    self.variants.load_now(executor, engine, source, vname)
+        # ready means warm: Serve routes to a replica once this constructor returns
+        self.warmup_s = executor.submit(warm_up, engine, cfg.tau_max, cfg.default_profile).result()
         self.loop = EngineLoop(engine, TauController(cfg), max_queued, self.name, executor=executor)
         self.loop.pusher = self.pusher
+        self.variants.loop = self.loop
         if telemetry is not None:  # built by the app: JSON logs, a Prometheus endpoint, the configured exporter
             configure_json_logging()
             settings = telemetry_settings(telemetry)
@@ -91,6 +106,7 @@ class DMTDReplica:
                           self.registry_url)
 
     def _on_registry(self, snapshot: Any, change: Any) -> None:
+        self.variants.follow(snapshot, self._registered)
         try:
             entry = snapshot.get(self.variant)
         except Exception:
@@ -126,7 +142,17 @@ class DMTDReplica:
             req = validate(check_types(request), self.limits)
         except InvalidRequest as e:
             raise RequestFailed(e.field, str(e)) from e
-        req.profile = self.loop.controller.cfg.profile_of(req.profile)
+        served = self.variants.admit(req)  # VariantUnavailable (NOT_FOUND) unless served here
+        if served is None:
+            req.profile = self.loop.controller.cfg.profile_of(req.profile)
+        try:
+            async with contextlib.aclosing(self._run(req, interval_ms, push)) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            self.variants.release(served)
+
+    async def _run(self, req: ReplicaRequest, interval_ms: float, push: bool) -> AsyncGenerator[list[Block], None]:
         target = None
         if push and req.push_to:  # the engine loop writes its blocks to the gateway's sink
             try:
@@ -146,13 +172,29 @@ class DMTDReplica:
         """Finished spans held by the in-memory exporter (all, or one trace's)."""
         return self.telemetry.finished_spans(trace_id)
 
+    async def served_variants(self) -> dict[str, Any]:
+        """The variants this replica serves (its own first), each loaded one's bytes and load time, and the refused
+        ones with why (the gateway routes by it)."""
+        return self.variants.set.report()
+
+    async def load_variant(self, source: str) -> dict[str, Any]:
+        """Load another variant of this replica's trunk now (a manifest path or shipped name); the report after."""
+        await self.variants.load(source)
+        return self.variants.set.report()
+
+    async def unload_variant(self, name: str) -> dict[str, Any]:
+        """Let a loaded variant go (after its requests in flight); the report after."""
+        await self.variants.unload(name)
+        return self.variants.set.report()
+
     async def stats(self) -> dict[str, Any]:
         await self.follow_registry()
         return {**self.loop.stats(), "registry_revision": self.registry_revision,
                 "tau_bounds": (self.loop.controller.cfg.tau_min, self.loop.controller.cfg.tau_max),
                 "rest_min_confidence": self.loop.controller.cfg.rest_min_confidence,
                 "default_profile": self.loop.controller.cfg.default_profile,
-                "metrics_url": self.telemetry.metrics_url, "warmup_s": self.warmup_s}
+                "metrics_url": self.telemetry.metrics_url, "warmup_s": self.warmup_s,
+                "variants": self.variants.set.report()}
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve ``user_config``: τ bounds and gate from the operator or the registry; no restart."""
@@ -175,3 +217,16 @@ class DMTDReplica:
             self.loop.controller.decision = type(d)(new.clamp(new.rest_tau), new.rest_min_confidence,
                                                     "reconfigured: new operating point")
         self.loop.apply_decision()
+
+
+def _registry_client(url: str | None) -> Any:
+    """A client of the registry at ``url`` (None: none; one that cannot be made is logged, not fatal)."""
+    if not url:
+        return None
+    try:
+        from dmtd_contract.registry import RegistryClient
+
+        return RegistryClient(url)
+    except Exception:
+        log.exception("registry %s unavailable", url)
+        return None

@@ -38,10 +38,14 @@ class Router:
         self.default = default
         self.rng = rng or random.Random()
         self.revision = 0
+        self.primaries = dict(routes)  # the deployments' own variants; the others are their replicas' tails
+        self.refused: dict[str, str] = {}  # variants the replicas refused to load → why
 
     def resolve(self, name: str) -> Route:
         if name:
             route = self.routes.get(name)
+            if route is None and name in self.refused:
+                raise VariantNotFound(name, f"variant {name!r} is not served: {self.refused[name]}")
             if route is None or not route.active:
                 known = ", ".join(sorted(n for n, r in self.routes.items() if r.active)) or "none"
                 raise VariantNotFound(name, f"variant {name!r} is not served here (active: {known})")
@@ -59,6 +63,29 @@ class Router:
             route = self.routes[name]
             route.info = changes if isinstance(changes, RouteInfo) else route.info.updated(changes)
         self.revision = max(self.revision, revision)
+
+    def serve_tails(self, primary: str, report: Mapping[str, Any], info_of: Any = None) -> None:
+        """The variants ``primary``'s replicas serve beside it (``report``: their ``served_variants()``) become routes
+        to its deployment; those they refused, refusals naming why; a tail they no longer serve, no route.
+        ``info_of(name)``: its registry view (a ``RouteInfo``), else None: active, no share of unnamed requests."""
+        handle = self.primaries[primary].handle
+        served = set(report.get("served", {}))
+        for name in served:
+            if name in self.primaries:
+                continue
+            info = info_of(name) if info_of is not None else None
+            route = self.routes.get(name)
+            if route is None or route.handle is not handle:
+                self.routes[name] = Route(name, handle, info or RouteInfo(name=name, traffic_weight=0.0))
+            elif info is not None:
+                route.info = info
+            self.refused.pop(name, None)
+        for name, route in list(self.routes.items()):
+            if name not in self.primaries and route.handle is handle and name not in served:
+                del self.routes[name]
+        for name, why in dict(report.get("failed", {})).items():
+            if name not in served:
+                self.refused[name] = why
 
     def infos(self) -> list[dict[str, Any]]:
         return [{**r.info.public(), "name": n, "is_default": n == self.default} for n, r in sorted(self.routes.items())]

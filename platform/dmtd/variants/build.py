@@ -70,7 +70,7 @@ def find_variant(name_or_path: str, search_dirs: list[Path] | None = None) -> Pa
     raise ManifestError(f"variant {name_or_path!r} not found (not a path, not a shipped variant)")
 
 
-def _checked_file(manifest: VariantManifest, root: Path, rel: str, sha: str | None, what: str) -> Path:
+def checked_file(manifest: VariantManifest, root: Path, rel: str, sha: str | None, what: str) -> Path:
     path = root / rel
     if not path.is_file():
         raise ManifestError(f"variant {manifest.name!r}: {what} file {str(path)!r} not found")
@@ -105,12 +105,12 @@ def apply_variant_weights(loaded: LoadedModel, manifest: VariantManifest, root: 
     check_fits_base(loaded, manifest)
     changed: set[str] = set()
     if manifest.weights is not None:
-        wpath = _checked_file(manifest, root, manifest.weights, manifest.weights_sha256, "weights")
+        wpath = checked_file(manifest, root, manifest.weights, manifest.weights_sha256, "weights")
         tensors = load_file(str(wpath))
         _load_tensors(loaded, manifest, tensors)
         changed |= set(tensors)
     if manifest.adapter is not None:
-        apath = _checked_file(manifest, root, manifest.adapter, manifest.adapter_sha256, "adapter")
+        apath = checked_file(manifest, root, manifest.adapter, manifest.adapter_sha256, "adapter")
         changed |= apply_adapter(loaded, manifest, apath)
     loaded.model.lm_head_t, loaded.model._weights = None, None
     return changed
@@ -120,7 +120,7 @@ def read_draft_vocab(manifest: VariantManifest, root: Path) -> list[int] | None:
     """The variant's restricted tail vocabulary (token ids, most frequent first), checked against its hash."""
     if manifest.draft_vocab is None:
         return None
-    path = _checked_file(manifest, root, manifest.draft_vocab, manifest.draft_vocab_sha256, "draft_vocab")
+    path = checked_file(manifest, root, manifest.draft_vocab, manifest.draft_vocab_sha256, "draft_vocab")
     try:
         ids = load_file(str(path))["token_ids"]
     except (SafetensorError, OSError, KeyError) as e:
@@ -134,7 +134,7 @@ def read_phrase_table(manifest: VariantManifest, root: Path, vocab_size: int) ->
     twice. A bad table fails the load, naming the tensor, before any request could draft from it."""
     if manifest.phrase_table is None:
         return None
-    path = _checked_file(manifest, root, manifest.phrase_table, manifest.phrase_table_sha256, "phrase_table")
+    path = checked_file(manifest, root, manifest.phrase_table, manifest.phrase_table_sha256, "phrase_table")
     where = f"variant {manifest.name!r}: phrase_table {str(path)!r}"
     try:
         with safe_open(str(path), framework="pt") as f:
