@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dmtd.bench import oracle_bench as ob
 from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, run_exact
 from dmtd.bench.roofline import measure_rates
 from dmtd.engine import lowbit
@@ -87,6 +88,13 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     if args.draft_threshold is not None and not 0.0 <= args.draft_threshold <= 1.0:  # NaN fails too
         raise RequestError("--draft-threshold", f"must be in [0, 1], got {args.draft_threshold}")
     precisions = pb.parse_precisions(args.precisions)
+    acceptances = ob.parse_acceptances(getattr(args, "oracle_acceptance", ""))
+    oracle_tau = int(getattr(args, "oracle_tau", 3))
+    if acceptances and oracle_tau < 2:
+        raise RequestError("--oracle-tau", f"must be at least 2 (a cycle with drafts), got {oracle_tau}")
+    if acceptances and args.exact_precision not in precisions + ["float32"]:
+        raise RequestError("--oracle-acceptance", f"its rows run at --exact-precision ({args.exact_precision}), "
+                           f"which --precisions ({','.join(precisions)}) must name")
     if "float32" not in precisions:
         precisions = ["float32", *precisions]  # the reference every ratio and quality figure is taken against
     device = getattr(args, "device", "cpu")
@@ -122,9 +130,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     path = None
     prefill_lens = [int(x) for x in str(getattr(args, "prefill_lens", "") or "").split(",") if x]
     max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
+    oracle: list[dict[str, Any]] = []
     for prec in precisions:
+        tau_max = max(taus + [1] + ([oracle_tau] if acceptances and prec == args.exact_precision else []))
         engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
-                              max(taus + [1]), device=device, load_format=load_format)
+                              tau_max, device=device, load_format=load_format)
         if prec == "float32":
             judge, path = lm.model, lm.path
         cfg, dmtd = lm.config, engine.dmtd
@@ -142,6 +152,9 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
             else:
                 r = bench_engine(engine, ids, b, tau, args.new_tokens, args.repeats)
             rows.append({"batch": b, "system": system, "tau": tau, "precision": prec, **r, **bnd})
+        if acceptances and prec == args.exact_precision:
+            oracle += ob.oracle_section(engine, ids, batches, oracle_tau, acceptances, prec, args.new_tokens,
+                                        args.repeats, context, rates, streams)
         for n in prefill_lens:
             rows.append({"batch": 1, "system": f"prefill{n}", "tau": 1, "precision": prec,
                          "prefill_tok_s": bench_prefill(engine, lm.tokenizer, n, args.repeats)})
@@ -174,8 +187,10 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
                     "by_precision": pb.quality_rows(quality, judge)},
         "exact": None,
         "prefill": prefill_rows,
+        "oracle": {"precision": args.exact_precision, "tau": oracle_tau, "rows": oracle} if oracle else None,
     }
     print_table(result)  # before the exact rows, which load another model: a failure there keeps these figures
+    ob.print_oracle_table(oracle, args.exact_precision)
     for pr in prefill_rows:
         print(f"prefill of {pr['system'][7:]} tokens, {pr['precision']}: {pr['prefill_tok_s']:.0f} prompt tok/s")
     del judge
@@ -190,6 +205,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         plot_path = Path(args.plot) if args.plot else path.with_suffix(".png")
         plot(result, plot_path)
         print(f"wrote {path} and {plot_path}")
+        if oracle:
+            oracle_png = plot_path.with_name(plot_path.stem + "_oracle.png")
+            ob.plot_oracle(oracle, f"{model_title(result)}: verified cycles of τ = {oracle_tau}, oracle drafts, "
+                           f"{args.exact_precision}", oracle_png)
+            print(f"wrote {oracle_png}")
         if exact_rows:
             exact_png = plot_path.with_name(plot_path.stem + "_exact.png")
             plot_exact(result["exact"], exact_png)
@@ -316,6 +336,11 @@ def print_table(result: dict) -> None:
               f"{r['identical']:>9.0f} {r['judge_ppl']:>9.3f} {r['judge_ppl_ratio']:>6.2f}")
 
 
+def model_title(result: dict) -> str:
+    name = "SmolLM2-135M" if "smollm2" in Path(result["model"]).name else Path(result["model"]).name
+    return name + (", random weights" if result.get("load_format") == "dummy" else "")
+
+
 def plot(result: dict, path: Path) -> None:
     """Per batch: tokens/s × fp32 τ = 1 for every precision and system (llama.cpp at batch 1), bounds as ticks."""
     import matplotlib
@@ -343,9 +368,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0][0].legend(loc="upper left")
     m = result["machine"]
     where = m["gpu"] if m.get("gpu") else f"CPU {m['threads']} threads"
-    name = "SmolLM2-135M" if "smollm2" in Path(result["model"]).name else Path(result["model"]).name
-    dummy = ", random weights" if result.get("load_format") == "dummy" else ""
-    fig.suptitle(f"{name}{dummy} by precision, D={result['decoding_layers']}, {where} (one run)")
+    fig.suptitle(f"{model_title(result)} by precision, D={result['decoding_layers']}, {where} (one run)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
