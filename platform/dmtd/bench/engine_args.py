@@ -28,6 +28,9 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precisions", default="float32,bfloat16,int8,int4",
                    help="weight formats to measure side by side (comma list of float32, bfloat16, int8, int4; "
                    "int formats keep float32 activations); float32 always runs, as the reference")
+    p.add_argument("--no-reference", action="store_true",
+                   help="no float32 rows and no quality check (the ratios are then over the first precision's τ = 1): "
+                   "a large shape's float32 model costs twice bf16's memory and its rows the run's longest time")
     p.add_argument("--quality-prompts", type=int, default=8,
                    help="chat prompts of the quality check (greedy agreement with fp32, judge perplexity)")
     p.add_argument("--quality-tokens", type=int, default=48, help="greedy tokens per quality prompt")

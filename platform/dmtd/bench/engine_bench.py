@@ -95,7 +95,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     if acceptances and args.exact_precision not in precisions + ["float32"]:
         raise RequestError("--oracle-acceptance", f"its rows run at --exact-precision ({args.exact_precision}), "
                            f"which --precisions ({','.join(precisions)}) must name")
-    if "float32" not in precisions:
+    reference = not getattr(args, "no_reference", False)
+    if not reference and (args.llama_cpp or not args.no_hf):
+        raise RequestError("--no-reference", "the HF and llama.cpp rows are judged against float32: add --no-hf and "
+                           "leave out --llama-cpp")
+    if "float32" not in precisions and reference:
         precisions = ["float32", *precisions]  # the reference every ratio and quality figure is taken against
     device = getattr(args, "device", "cpu")
     on_cpu = torch.device(device).type == "cpu"
@@ -126,7 +130,7 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     context = args.prompt_len + args.new_tokens // 2
     rows: list[dict[str, Any]] = []
     quality: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
-    judge = None
+    judge, model_cfg = None, None
     path = None
     prefill_lens = [int(x) for x in str(getattr(args, "prefill_lens", "") or "").split(",") if x]
     max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
@@ -135,8 +139,9 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         tau_max = max(taus + [1] + ([oracle_tau] if acceptances and prec == args.exact_precision else []))
         engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
                               tau_max, device=device, load_format=load_format)
-        if prec == "float32":
-            judge, path = lm.model, lm.path
+        if prec == "float32" and reference:
+            judge = lm.model
+        path, model_cfg = lm.path, lm.config
         cfg, dmtd = lm.config, engine.dmtd
         ids = prompt_ids(lm.tokenizer, args.prompt_len)
         engine.generate([ids], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -158,7 +163,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         for n in prefill_lens:
             rows.append({"batch": 1, "system": f"prefill{n}", "tau": 1, "precision": prec,
                          "prefill_tok_s": bench_prefill(engine, lm.tokenizer, n, args.repeats)})
-        quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
+        if reference:
+            quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
         del engine, lm
     if llm is not None:
         assert judge is not None and rates is not None  # llama.cpp runs on the CPU only
@@ -174,17 +180,17 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     prefill_rows = [r for r in rows if "prefill_tok_s" in r]
     rows = [r for r in rows if "prefill_tok_s" not in r]
     add_ratios(rows, batches)
-    assert judge is not None
+    assert model_cfg is not None
     result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, **(rates.to_dict() if rates is not None else {}),
                     "stream_gb_s": streams, "device": device,
                     "gpu": torch.cuda.get_device_name(torch.device(device)) if not on_cpu else None},
-        "model": str(path), "load_format": load_format, "num_layers": judge.config.num_layers,
+        "model": str(path), "load_format": load_format, "num_layers": model_cfg.num_layers,
         "decoding_layers": args.decoding_layers,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "precisions": precisions, "rows": rows,
         "quality": {"prompts": args.quality_prompts, "new_tokens": args.quality_tokens,
-                    "by_precision": pb.quality_rows(quality, judge)},
+                    "by_precision": pb.quality_rows(quality, judge)} if judge is not None else None,
         "exact": None,
         "prefill": prefill_rows,
         "oracle": {"precision": args.exact_precision, "tau": oracle_tau, "rows": oracle} if oracle else None,
@@ -297,9 +303,11 @@ def print_exact_table(exact: dict[str, Any]) -> None:
 
 
 def add_ratios(rows: list[dict[str, Any]], batches: list[int]) -> None:
-    """Per batch: speedups over the same precision's engine τ = 1 (with its bound's), over fp32 τ = 1, over HF."""
+    """Per batch: speedups over the same precision's engine τ = 1 (with its bound's), over fp32 τ = 1 (without a
+    float32 row: the first precision's), over HF."""
     for b in batches:
-        fp32 = next(r for r in rows if r["batch"] == b and r["system"] == "engine" and r["precision"] == "float32")
+        engines = [r for r in rows if r["batch"] == b and r["system"] == "engine"]
+        fp32 = next((r for r in engines if r["precision"] == "float32"), engines[0])
         hf = next((r for r in rows if r["batch"] == b and r["system"] == "hf"), None)
         for r in rows:
             if r["batch"] != b:
@@ -329,6 +337,8 @@ def print_table(result: dict) -> None:
               f"{r['speedup_vs_engine_tau1']:>6.2f} {r['speedup_vs_fp32_tau1']:>6.2f} {lc:>7} "
               f"{r['bound_tok_s']:>8.1f} {100 * r['pct_of_bound']:>8.0f}% {r['mean_block_len']:>6.2f}")
     q = result["quality"]
+    if q is None:
+        return
     print(f"\nquality vs fp32 ({q['prompts']} chat prompts, {q['new_tokens']} greedy tokens, τ = 1)")
     print(f"{'precision':>10} {'agree':>6} {'1st diff':>8} {'identical':>9} {'judge ppl':>9} {'×fp32':>6}")
     for name, r in q["by_precision"].items():
@@ -355,7 +365,8 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
     for ax, b in zip(axes[0], batches):
         sel = [r for r in rows if r["batch"] == b]
-        fp32 = next(r for r in sel if r["system"] == "engine" and r["precision"] == "float32")["tok_s"]
+        engines = [r for r in sel if r["system"] == "engine"]
+        fp32 = next((r for r in engines if r["precision"] == "float32"), engines[0])["tok_s"]
         xs = range(len(sel))
         ax.bar(xs, [r["tok_s"] / fp32 for r in sel], color=[colours.get(r["precision"], "#999") for r in sel])
         ax.plot(xs, [r["bound_tok_s"] / fp32 for r in sel], "k_", markersize=14, mew=2, label="roofline bound")
@@ -363,7 +374,7 @@ def plot(result: dict, path: Path) -> None:
                                  f"{r['system'].replace('dmtd', 'τ=').replace('engine', 'τ=1')}" for r in sel],
                       fontsize=7)
         ax.set_title(f"batch {b}")
-        ax.set_ylabel("decode tokens/s × fp32 τ = 1")
+        ax.set_ylabel(f"decode tokens/s × {rows[0]['precision']} τ = 1")
         ax.axhline(1.0, color="grey", lw=0.5)
     axes[0][0].legend(loc="upper left")
     m = result["machine"]
