@@ -133,7 +133,9 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     judge, model_cfg = None, None
     path = None
     prefill_lens = [int(x) for x in str(getattr(args, "prefill_lens", "") or "").split(",") if x]
-    max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
+    # the pool holds max_num_seqs × max_len positions: at a 1.7B shape and batch 64, 512 spare positions a row were
+    # 7 GiB more of float32 KV
+    max_len = max([args.prompt_len + args.new_tokens + 64, 128 + args.quality_tokens] + [n + 8 for n in prefill_lens])
     oracle: list[dict[str, Any]] = []
     for prec in precisions:
         tau_max = max(taus + [1] + ([oracle_tau] if acceptances and prec == args.exact_precision else []))
