@@ -332,12 +332,14 @@ def add_ratios(rows: list[dict[str, Any]], batches: list[int]) -> None:
 
 def print_table(result: dict) -> None:
     print(f"\n{'batch':>5} {'precision':>10} {'system':>9} {'tok/s':>8} {'×τ=1':>6} {'×fp32':>6} {'×llama':>7} "
-          f"{'bound':>8} {'of bound':>9} {'block':>6}")
-    for r in result["rows"]:
+          f"{'bound':>8} {'of bound':>9} {'bound×':>6} {'of bnd×':>7} {'GB/tok':>6} {'block':>6}")
+    for r in result["rows"]:  # bound×: the bound's speedup over τ = 1; of bnd×: the measured speedup's share of it
         lc = f"{r['speedup_vs_llama_cpp']:.2f}" if "speedup_vs_llama_cpp" in r else "-"
         print(f"{r['batch']:>5} {r['precision']:>10} {r['system']:>9} {r['tok_s']:>8.1f} "
               f"{r['speedup_vs_engine_tau1']:>6.2f} {r['speedup_vs_fp32_tau1']:>6.2f} {lc:>7} "
-              f"{r['bound_tok_s']:>8.1f} {100 * r['pct_of_bound']:>8.0f}% {r['mean_block_len']:>6.2f}")
+              f"{r['bound_tok_s']:>8.1f} {100 * r['pct_of_bound']:>8.0f}% {r['bound_speedup']:>6.2f} "
+              f"{100 * r['pct_of_bound_speedup_ratio']:>6.0f}% {r.get('bytes_per_token', 0) / 1e9:>6.3f} "
+              f"{r['mean_block_len']:>6.2f}")
     q = result["quality"]
     if q is None:
         return
