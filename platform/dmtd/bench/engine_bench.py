@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import time
@@ -168,6 +169,7 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         if reference:
             quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
         del engine, lm
+        gc.collect()  # the engine's parts refer to one another: without it the next precision's model came on top
     if llm is not None:
         assert judge is not None and rates is not None  # llama.cpp runs on the CPU only
         tok = load_model(args.model).tokenizer

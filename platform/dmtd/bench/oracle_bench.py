@@ -94,15 +94,15 @@ def cycle_bound(cfg: ModelConfig, dmtd: DMTDConfig, tau: int, batch: int, contex
 
 def _timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, repeats: int
            ) -> tuple[float, list[Any], dict[str, list[float]]]:
-    """Best decode tok/s of ``repeats`` runs, the last run's results and the best run's pass times."""
-    best, stats, res = 0.0, {}, []
+    """The best of ``repeats`` runs: its decode tok/s, results and pass times."""
+    best: tuple[float, list[Any], dict[str, list[float]]] = (0.0, [], {})
     for _ in range(max(1, repeats)):
         engine.pass_stats.clear()
         res = engine.generate(prompts, params)
         tok_s = sum(len(r.token_ids) - 1 for r in res) / max(r.decode_time_s for r in res)
-        if tok_s > best:
-            best, stats = tok_s, {k: list(v) for k, v in engine.pass_stats.items()}
-    return best, res, stats
+        if tok_s > best[0]:
+            best = (tok_s, res, {k: list(v) for k, v in engine.pass_stats.items()})
+    return best
 
 
 def _per_call(stats: dict[str, list[float]], kind: str) -> float:
@@ -154,7 +154,13 @@ def oracle_rows(engine: LLMEngine, ids: list[int], batch: int, tau: int, accepta
                    "tail_cost": tail_c, "check_cost": check_c,
                    # the passes' own bound: tokens a cycle ÷ its passes' measured cost, in τ = 1 steps
                    "pass_bound_speedup": per_cycle / (check_c + (tau - 1) * tail_c),
-                   "draft_format": engine.runner.draft_format or "engine"}
+                   "draft_format": engine.runner.draft_format or "engine",
+                   # where the cycle's time went: passes a row's cycle (3 = τ: one check, τ − 1 drafts, the batch in
+                   # phase), and the passes' share of the decode wall time
+                   "passes_per_cycle": (stats.get("verify", [0])[0] + stats.get("draft", [0])[0]) * batch
+                   / max(checks, 1),
+                   "passes_share": (stats.get("verify", [0, 0.0])[1] + stats.get("draft", [0, 0.0])[1])
+                   / max(r.decode_time_s for r in res)}
             if bound is not None:
                 roof = bound(expected_tokens(a, tau))
                 row.update(bound_tok_s=roof, pct_of_bound=tok_s / roof)
