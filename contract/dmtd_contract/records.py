@@ -37,6 +37,7 @@ class ReplicaRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens
     tau_min: int = 0
     tau_max: int = 0
     min_confidence: float | None = None

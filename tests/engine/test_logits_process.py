@@ -171,3 +171,30 @@ def test_a_grammars_forced_tokens_are_drafts_the_verifier_accepts(engines):
         sampled = variant.generate([chat], SamplingParams(temperature=1.0, seed=seed, max_new_tokens=12, tau=4,
                                                           exact=True, grammar=grammar))[0]
         assert re.fullmatch(r"The answer is (yes|no)\.", sampled.text) and sampled.finish_reason == "stop"
+
+
+def test_min_tokens_keeps_eos_stop_tokens_and_stop_strings_from_ending_the_output_before_it(engines):
+    """vLLM's ``min_tokens``: EOS and the stop tokens are masked out of the rows before it, stop strings wait for it;
+    the exact profile checks its drafts against the masked rows, so its tokens are the base's."""
+    variant, base = engines
+    eos = base.tokenizer.eos_token_id
+    prompt = base.encode(CHAT)
+    eager = {"max_new_tokens": 16, "logit_bias": {eos: 100.0}}  # EOS first wherever it may come
+    assert base.generate([prompt], SamplingParams(**eager))[0].token_ids == [eos]
+    outs = [e.generate([prompt], SamplingParams(**eager, min_tokens=6, **kw))[0]
+            for e, kw in ((base, {}), (variant, {"exact": True, "tau": 3}))]
+    for out in outs:
+        assert out.token_ids[-1] == eos and len(out.token_ids) == 7 and out.finish_reason == "stop"
+    assert outs[0].token_ids == outs[1].token_ids
+    plain = base.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    stop_id = plain.token_ids[1]
+    assert len(base.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=[stop_id]))[0].token_ids) <= 2
+    late = base.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=[stop_id], min_tokens=5))[0]
+    assert stop_id not in late.token_ids[:5] and len(late.token_ids) >= 5
+    word = base.tokenizer.decode(plain.token_ids[:2]).strip().split()[0]  # a stop string in the answer's first words
+    early = base.generate([prompt], SamplingParams(max_new_tokens=12, stop=[word]))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    kept = base.generate([prompt], SamplingParams(max_new_tokens=12, stop=[word], min_tokens=8))[0]
+    assert len(kept.token_ids) >= 8 and kept.token_ids[:8] == plain.token_ids[:8]
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)

@@ -34,6 +34,15 @@ def shape_stack(stack, tmp_path_factory):
     serve.delete("dmtd-shape")
 
 
+def test_a_model_without_chat_template_warms_up_and_reports_ready(shape_stack):
+    """The gateway's start-up check (what ``dmtd serve`` waits on before it says it serves) sends a prompt through its
+    own path and a completion through its OpenAI route: such a model serves both."""
+    from ray import serve
+
+    state = serve.get_deployment_handle("Gateway", app_name="dmtd-shape").wait_ready.remote(120).result()
+    assert state["ready"] and {NAME, "http"} <= state["warm_s"].keys(), state
+
+
 def test_a_model_without_chat_template_serves_completions_and_refuses_chat_with_a_400(shape_stack):
     status, out = post(shape_stack, "/v1/completions", {"model": NAME, "prompt": "Once upon a time", "max_tokens": 6,
                                                         "temperature": 0, "ignore_eos": True})

@@ -45,7 +45,7 @@ def test_the_payloads_vllm_bench_serve_and_guidellm_send_are_served(stack):
     assert status == 200 and out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "length"
 
 
-def test_ignore_eos_and_min_tokens_at_max_tokens_go_on_past_the_end_of_the_answer(stack):
+def test_ignore_eos_and_min_tokens_go_on_past_the_end_of_the_answer(stack):
     short = {"model": VARIANT, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40,
              "temperature": 0.0}
     status, out = post(stack, "/v1/chat/completions", short)
@@ -57,6 +57,9 @@ def test_ignore_eos_and_min_tokens_at_max_tokens_go_on_past_the_end_of_the_answe
         assert status == 200, longer
         assert longer["usage"]["completion_tokens"] == 40 and longer["choices"][0]["finish_reason"] == "length"
         assert longer["choices"][0]["message"]["content"].startswith(out["choices"][0]["message"]["content"])
+    # min_tokens below max tokens: no EOS, stop token or stop string before it; then the answer may end
+    status, some = post(stack, "/v1/chat/completions", {**short, "min_tokens": n + 5, "stop": ["!", "."]})
+    assert status == 200 and n + 5 <= some["usage"]["completion_tokens"] <= 40, some
 
 
 def test_stop_token_ids_end_the_completion_at_that_token(stack):
@@ -75,7 +78,7 @@ def test_stop_token_ids_end_the_completion_at_that_token(stack):
 def test_parameters_this_server_does_not_serve_are_refused_naming_them(stack):
     base = {"model": VARIANT, "prompt": "Hello", "max_tokens": 8}
     cases = {"min_p": 0.1, "use_beam_search": True, "echo": True, "truncate_prompt_tokens": 4, "best_of": 3,
-             "include_stop_str_in_output": True, "min_tokens": 3, "guided_json": {"type": "object"}}
+             "include_stop_str_in_output": True, "min_tokens": 9, "guided_json": {"type": "object"}}
     for name, value in cases.items():
         status, out = post(stack, "/v1/completions", {**base, name: value})
         assert status == 400, (name, out)

@@ -31,6 +31,9 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precisions", default="float32,bfloat16,int8,int4",
                    help="weight formats to measure side by side (comma list of float32, bfloat16, int8, int4; "
                    "int formats keep float32 activations); float32 always runs, as the reference")
+    p.add_argument("--no-reference", action="store_true",
+                   help="no float32 rows and no quality check (the ratios are then over the first precision's τ = 1): "
+                   "a large shape's float32 model costs twice bf16's memory and its rows the run's longest time")
     p.add_argument("--quality-prompts", type=int, default=8,
                    help="chat prompts of the quality check (greedy agreement with fp32, judge perplexity)")
     p.add_argument("--quality-tokens", type=int, default=48, help="greedy tokens per quality prompt")
@@ -42,6 +45,12 @@ def add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quants", default="auto",
                    help="exact rows: the drafts' weights, side by side (comma list of auto, none, int8; "
                    "int8: int8 x int8 dot products, AVX512-VNNI or AVX2)")
+    p.add_argument("--oracle-acceptance", default="", metavar="LIST",
+                   help="add verified cycles of --oracle-tau whose drafts are the base's own greedy tokens, each "
+                   "accepted with these probabilities (e.g. 0,0.5,0.8,1): the exact profile's speedup at the shape "
+                   "once its acceptance is known; at --exact-precision, every batch; draft passes still run, the "
+                   "check still decides")
+    p.add_argument("--oracle-tau", type=int, default=3, help="τ of the oracle rows (default 3)")
     p.add_argument("--device", default="cpu",
                    help="where the engine runs: cpu or cuda (cuda: no roofline bounds, no HF or llama.cpp rows)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dmtd.bench import oracle_bench as ob
 from dmtd.bench.exact_bench import add_exact_ratios, chat_prompts, plot_exact, run_exact
 from dmtd.bench.roofline import measure_rates
 from dmtd.engine import lowbit
@@ -87,7 +89,18 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     if args.draft_threshold is not None and not 0.0 <= args.draft_threshold <= 1.0:  # NaN fails too
         raise RequestError("--draft-threshold", f"must be in [0, 1], got {args.draft_threshold}")
     precisions = pb.parse_precisions(args.precisions)
-    if "float32" not in precisions:
+    acceptances = ob.parse_acceptances(getattr(args, "oracle_acceptance", ""))
+    oracle_tau = int(getattr(args, "oracle_tau", 3))
+    if acceptances and oracle_tau < 2:
+        raise RequestError("--oracle-tau", f"must be at least 2 (a cycle with drafts), got {oracle_tau}")
+    if acceptances and args.exact_precision not in precisions + ["float32"]:
+        raise RequestError("--oracle-acceptance", f"its rows run at --exact-precision ({args.exact_precision}), "
+                           f"which --precisions ({','.join(precisions)}) must name")
+    reference = not getattr(args, "no_reference", False)
+    if not reference and (args.llama_cpp or not args.no_hf):
+        raise RequestError("--no-reference", "the HF and llama.cpp rows are judged against float32: add --no-hf and "
+                           "leave out --llama-cpp")
+    if "float32" not in precisions and reference:
         precisions = ["float32", *precisions]  # the reference every ratio and quality figure is taken against
     device = getattr(args, "device", "cpu")
     on_cpu = torch.device(device).type == "cpu"
@@ -118,16 +131,21 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     context = args.prompt_len + args.new_tokens // 2
     rows: list[dict[str, Any]] = []
     quality: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
-    judge = None
+    judge, model_cfg = None, None
     path = None
     prefill_lens = [int(x) for x in str(getattr(args, "prefill_lens", "") or "").split(",") if x]
-    max_len = max([args.prompt_len + args.new_tokens + 512] + [n + 8 for n in prefill_lens])
+    # the pool holds max_num_seqs × max_len positions: at a 1.7B shape and batch 64, 512 spare positions a row were
+    # 7 GiB more of float32 KV
+    max_len = max([args.prompt_len + args.new_tokens + 64, 128 + args.quality_tokens] + [n + 8 for n in prefill_lens])
+    oracle: list[dict[str, Any]] = []
     for prec in precisions:
+        tau_max = max(taus + [1] + ([oracle_tau] if acceptances and prec == args.exact_precision else []))
         engine, lm = pb.build(args.model, prec, max(batches + [args.quality_prompts]), max_len, args.decoding_layers,
-                              max(taus + [1]), device=device, load_format=load_format,
+                              tau_max, device=device, load_format=load_format,
                               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto") if prec == "bfloat16" else "auto")
-        if prec == "float32":
-            judge, path = lm.model, lm.path
+        if prec == "float32" and reference:
+            judge = lm.model
+        path, model_cfg = lm.path, lm.config
         cfg, dmtd = lm.config, engine.dmtd
         ids = prompt_ids(lm.tokenizer, args.prompt_len)
         engine.generate([ids], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -143,11 +161,16 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
             else:
                 r = bench_engine(engine, ids, b, tau, args.new_tokens, args.repeats)
             rows.append({"batch": b, "system": system, "tau": tau, "precision": prec, **r, **bnd})
+        if acceptances and prec == args.exact_precision:
+            oracle += ob.oracle_section(engine, ids, batches, oracle_tau, acceptances, prec, args.new_tokens,
+                                        args.repeats, context, rates, streams)
         for n in prefill_lens:
             rows.append({"batch": 1, "system": f"prefill{n}", "tau": 1, "precision": prec,
                          "prefill_tok_s": bench_prefill(engine, lm.tokenizer, n, args.repeats)})
-        quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
+        if reference:
+            quality[prec] = pb.greedy_chats(engine, args.quality_prompts, args.quality_tokens)
         del engine, lm
+        gc.collect()  # the engine's parts refer to one another: without it the next precision's model came on top
     if llm is not None:
         assert judge is not None and rates is not None  # llama.cpp runs on the CPU only
         tok = load_model(args.model).tokenizer
@@ -162,21 +185,23 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
     prefill_rows = [r for r in rows if "prefill_tok_s" in r]
     rows = [r for r in rows if "prefill_tok_s" not in r]
     add_ratios(rows, batches)
-    assert judge is not None
+    assert model_cfg is not None
     result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, **(rates.to_dict() if rates is not None else {}),
                     "stream_gb_s": streams, "device": device,
                     "gpu": torch.cuda.get_device_name(torch.device(device)) if not on_cpu else None},
-        "model": str(path), "load_format": load_format, "num_layers": judge.config.num_layers,
+        "model": str(path), "load_format": load_format, "num_layers": model_cfg.num_layers,
         "decoding_layers": args.decoding_layers,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "precisions": precisions, "rows": rows,
         "quality": {"prompts": args.quality_prompts, "new_tokens": args.quality_tokens,
-                    "by_precision": pb.quality_rows(quality, judge)},
+                    "by_precision": pb.quality_rows(quality, judge)} if judge is not None else None,
         "exact": None,
         "prefill": prefill_rows,
+        "oracle": {"precision": args.exact_precision, "tau": oracle_tau, "rows": oracle} if oracle else None,
     }
     print_table(result)  # before the exact rows, which load another model: a failure there keeps these figures
+    ob.print_oracle_table(oracle, args.exact_precision)
     for pr in prefill_rows:
         print(f"prefill of {pr['system'][7:]} tokens, {pr['precision']}: {pr['prefill_tok_s']:.0f} prompt tok/s")
     del judge
@@ -191,6 +216,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict:
         plot_path = Path(args.plot) if args.plot else path.with_suffix(".png")
         plot(result, plot_path)
         print(f"wrote {path} and {plot_path}")
+        if oracle:
+            oracle_png = plot_path.with_name(plot_path.stem + "_oracle.png")
+            ob.plot_oracle(oracle, f"{model_title(result)}: verified cycles of τ = {oracle_tau}, oracle drafts, "
+                           f"{args.exact_precision}", oracle_png)
+            print(f"wrote {oracle_png}")
         if exact_rows:
             exact_png = plot_path.with_name(plot_path.stem + "_exact.png")
             plot_exact(result["exact"], exact_png)
@@ -278,9 +308,11 @@ def print_exact_table(exact: dict[str, Any]) -> None:
 
 
 def add_ratios(rows: list[dict[str, Any]], batches: list[int]) -> None:
-    """Per batch: speedups over the same precision's engine τ = 1 (with its bound's), over fp32 τ = 1, over HF."""
+    """Per batch: speedups over the same precision's engine τ = 1 (with its bound's), over fp32 τ = 1 (without a
+    float32 row: the first precision's), over HF."""
     for b in batches:
-        fp32 = next(r for r in rows if r["batch"] == b and r["system"] == "engine" and r["precision"] == "float32")
+        engines = [r for r in rows if r["batch"] == b and r["system"] == "engine"]
+        fp32 = next((r for r in engines if r["precision"] == "float32"), engines[0])
         hf = next((r for r in rows if r["batch"] == b and r["system"] == "hf"), None)
         for r in rows:
             if r["batch"] != b:
@@ -303,18 +335,27 @@ def add_ratios(rows: list[dict[str, Any]], batches: list[int]) -> None:
 
 def print_table(result: dict) -> None:
     print(f"\n{'batch':>5} {'precision':>10} {'system':>9} {'tok/s':>8} {'×τ=1':>6} {'×fp32':>6} {'×llama':>7} "
-          f"{'bound':>8} {'of bound':>9} {'block':>6}")
-    for r in result["rows"]:
+          f"{'bound':>8} {'of bound':>9} {'bound×':>6} {'of bnd×':>7} {'GB/tok':>6} {'block':>6}")
+    for r in result["rows"]:  # bound×: the bound's speedup over τ = 1; of bnd×: the measured speedup's share of it
         lc = f"{r['speedup_vs_llama_cpp']:.2f}" if "speedup_vs_llama_cpp" in r else "-"
         print(f"{r['batch']:>5} {r['precision']:>10} {r['system']:>9} {r['tok_s']:>8.1f} "
               f"{r['speedup_vs_engine_tau1']:>6.2f} {r['speedup_vs_fp32_tau1']:>6.2f} {lc:>7} "
-              f"{r['bound_tok_s']:>8.1f} {100 * r['pct_of_bound']:>8.0f}% {r['mean_block_len']:>6.2f}")
+              f"{r['bound_tok_s']:>8.1f} {100 * r['pct_of_bound']:>8.0f}% {r['bound_speedup']:>6.2f} "
+              f"{100 * r['pct_of_bound_speedup_ratio']:>6.0f}% {r.get('bytes_per_token', 0) / 1e9:>6.3f} "
+              f"{r['mean_block_len']:>6.2f}")
     q = result["quality"]
+    if q is None:
+        return
     print(f"\nquality vs fp32 ({q['prompts']} chat prompts, {q['new_tokens']} greedy tokens, τ = 1)")
     print(f"{'precision':>10} {'agree':>6} {'1st diff':>8} {'identical':>9} {'judge ppl':>9} {'×fp32':>6}")
     for name, r in q["by_precision"].items():
         print(f"{name:>10} {100 * r['agree_prefix_frac']:>5.0f}% {r['first_divergence_median']:>8.0f} "
               f"{r['identical']:>9.0f} {r['judge_ppl']:>9.3f} {r['judge_ppl_ratio']:>6.2f}")
+
+
+def model_title(result: dict) -> str:
+    name = "SmolLM2-135M" if "smollm2" in Path(result["model"]).name else Path(result["model"]).name
+    return name + (", random weights" if result.get("load_format") == "dummy" else "")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -331,7 +372,8 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
     for ax, b in zip(axes[0], batches):
         sel = [r for r in rows if r["batch"] == b]
-        fp32 = next(r for r in sel if r["system"] == "engine" and r["precision"] == "float32")["tok_s"]
+        engines = [r for r in sel if r["system"] == "engine"]
+        fp32 = next((r for r in engines if r["precision"] == "float32"), engines[0])["tok_s"]
         xs = range(len(sel))
         ax.bar(xs, [r["tok_s"] / fp32 for r in sel], color=[colours.get(r["precision"], "#999") for r in sel])
         ax.plot(xs, [r["bound_tok_s"] / fp32 for r in sel], "k_", markersize=14, mew=2, label="roofline bound")
@@ -339,14 +381,12 @@ def plot(result: dict, path: Path) -> None:
                                  f"{r['system'].replace('dmtd', 'τ=').replace('engine', 'τ=1')}" for r in sel],
                       fontsize=7)
         ax.set_title(f"batch {b}")
-        ax.set_ylabel("decode tokens/s × fp32 τ = 1")
+        ax.set_ylabel(f"decode tokens/s × {rows[0]['precision']} τ = 1")
         ax.axhline(1.0, color="grey", lw=0.5)
     axes[0][0].legend(loc="upper left")
     m = result["machine"]
     where = m["gpu"] if m.get("gpu") else f"CPU {m['threads']} threads"
-    name = "SmolLM2-135M" if "smollm2" in Path(result["model"]).name else Path(result["model"]).name
-    dummy = ", random weights" if result.get("load_format") == "dummy" else ""
-    fig.suptitle(f"{name}{dummy} by precision, D={result['decoding_layers']}, {where} (one run)")
+    fig.suptitle(f"{model_title(result)} by precision, D={result['decoding_layers']}, {where} (one run)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -71,6 +71,15 @@ class PhraseTableDrafts:
         return (after_tails(band), cont) if cont else None
 
 
+class TailStandIn(Protocol):
+    """A stand-in for the tails' picks (the bench's oracle drafter, dmtd.bench.oracle_bench): the token a greedy
+    request drafts in place of the tail's own ``token``, at its next draft (generated index ``seq.num_generated +
+    len(seq.draft.tokens)``). The draft passes still run (their cost is the cycle's); the check still decides."""
+
+    def replace(self, seq: Sequence, token: int) -> int:
+        """The token to draft instead of ``token``."""
+
+
 def context_sources(phrase: PhraseTableDrafts | None) -> list[DraftSource]:
     """The pass-free sources a greedy exact request's cycle may draft from, in the order they are tried."""
     return [PromptLookup(), *([phrase] if phrase is not None else [])]

@@ -67,7 +67,7 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.append(int(tokenizer.eos_token_id))
         self.eos_ids = set(eos)
-        self.shaper = LogitsShaper(tokenizer, vocab_size)  # penalties, logit bias, grammars, logprobs
+        self.shaper = LogitsShaper(tokenizer, vocab_size, self.eos_ids)  # penalties, bias, grammars, min_tokens
         # each request's sequence, detokenizer and generator; prompts in, outputs (text, stop strings) out
         self.requests = RequestProcessor(tokenizer, vocab_size, self.eos_ids, self.scheduler, self.shaper,
                                          self.runner.device)

@@ -1,6 +1,7 @@
 """A request's own shaping of the logits its tokens are drawn from, and the log-probabilities of those tokens.
 
-Shaping, in this order: ``repetition_penalty`` (every prompt and output token: a positive logit divided by it, a
+Shaping, in this order: ``min_tokens`` (EOS, unless ``ignore_eos``, and the stop tokens forbidden while the output
+is shorter; vLLM's), ``repetition_penalty`` (every prompt and output token: a positive logit divided by it, a
 negative one multiplied), ``frequency_penalty`` × count and ``presence_penalty`` (output tokens), ``logit_bias``
 (added), then the grammar's mask (``dmtd.engine.grammar``; forbidden tokens -inf). It applies wherever a request's
 token is drawn: the rows of plain steps and every row of a verified cycle's check, where row j sees the drafts
@@ -34,17 +35,27 @@ class _Shape:
     queued: deque[TokenLogprob] = field(default_factory=deque)
 
 
-def shapes(p: SamplingParams) -> bool:
-    """Whether a request's rows need shaping at all (plain requests pay nothing)."""
+def _shapes_throughout(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
                 or p.grammar is not None)
+
+
+def shapes(p: SamplingParams) -> bool:
+    """Whether a request's rows need shaping at all (plain requests pay nothing)."""
+    return _shapes_throughout(p) or p.min_tokens > 0
+
+
+def shapes_now(seq: Sequence) -> bool:
+    """Whether a sequence's next rows need shaping (``min_tokens`` alone: only until the output reaches it)."""
+    return _shapes_throughout(seq.params) or seq.params.min_tokens > seq.num_generated
 
 
 class LogitsShaper:
     """Per-request shaping and log-probabilities for one engine (``tokenizer``: for grammars and token bytes)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int] | None = None) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_ids = eos_ids or set()  # what min_tokens forbids besides a request's stop tokens
         self.states: dict[str, _Shape] = {}
         self._grammars: Any = None  # dmtd.engine.grammar.GrammarCompiler, made on the first grammar
         self._bytes: list[bytes] | None = None
@@ -72,7 +83,7 @@ class LogitsShaper:
 
     def rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Shape the rows [B, V] of a plain step (one row per sequence, its next token); unshaped rows as given."""
-        idx = [i for i, s in enumerate(seqs) if s.req_id in self.states and shapes(s.params)]
+        idx = [i for i, s in enumerate(seqs) if s.req_id in self.states and shapes_now(s)]
         if not idx:
             return logits
         out = logits.float().clone()
@@ -85,7 +96,7 @@ class LogitsShaper:
         including the first one it forbids (its row's mask rejects it; the rows after it are never reached)."""
         m = len(seq.draft.tokens)
         st = self.states.get(seq.req_id)
-        if st is None or not shapes(seq.params):
+        if st is None or not shapes_now(seq):
             return logits, m
         if st.matcher is not None:
             m = min(m, st.matcher.validate_tokens(seq.draft.tokens) + 1)
@@ -95,6 +106,11 @@ class LogitsShaper:
         """Rows [r, V] in place: row j follows the output so far plus ``drafts[:j]``."""
         p, r, V = seq.params, x.shape[0], x.shape[-1]
         dev = x.device
+        early = min(r, p.min_tokens - seq.num_generated)  # rows whose token would end the output too soon
+        if early > 0:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+            ids = torch.tensor(sorted(t for t in stops if 0 <= t < V), dtype=torch.long, device=dev)
+            x[:early, ids] = float("-inf")
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             out_ids = torch.tensor(seq.generated_ids + drafts[: r - 1], dtype=torch.long, device=dev)
             n_out = len(seq.generated_ids)
@@ -166,4 +182,4 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
     return out
 
 
-__all__ = ["FORCED_SOURCE", "LogitsShaper", "shapes", "token_bytes"]
+__all__ = ["FORCED_SOURCE", "LogitsShaper", "shapes", "shapes_now", "token_bytes"]

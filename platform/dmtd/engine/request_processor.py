@@ -100,7 +100,8 @@ class RequestProcessor:
         delta = ""
         if det is not None and ev.token_id >= 0 and not (ev.finish_reason == "stop" and ev.token_id in self.eos_ids):
             delta = det.push(ev.token_id)
-            hit = find_stop(det.text, seq.params.stop, len(delta))
+            # no stop string ends the output before min_tokens (vLLM's): the tokens pushed so far, this one included
+            hit = find_stop(det.text, seq.params.stop, len(delta)) if len(det.ids) >= seq.params.min_tokens else None
             if hit is not None:
                 cut = len(det.text) - hit
                 delta = delta[: len(delta) - cut] if cut <= len(delta) else ""

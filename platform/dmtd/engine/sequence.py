@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens (vLLM's)
     tau: int | None = None  # τ; None = the variant's default
     min_confidence: float = 0.0  # the gate; with ``exact`` it only stops drafting
     exact: bool = False  # verified cycles: tails are drafts the next head checks; output = the verifier's
@@ -58,6 +59,9 @@ class SamplingParams:
             raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise RequestError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError("min_tokens", f"must be in 0..max_new_tokens ({self.max_new_tokens}), got "
+                               f"{self.min_tokens}")
         if self.tau is not None and self.tau < 1:
             raise RequestError("tau", f"must be >= 1, got {self.tau}")
         if not (0.0 <= self.min_confidence <= 1.0):

@@ -26,7 +26,7 @@ from dmtd.engine.draft_policy import (
     expected_tokens,
     worth_exploring,
 )
-from dmtd.engine.draft_sources import FORCED, TAILS, DraftLedger, PhraseTableDrafts, context_sources
+from dmtd.engine.draft_sources import FORCED, TAILS, DraftLedger, PhraseTableDrafts, TailStandIn, context_sources
 from dmtd.engine.outputs import StepOutput
 from dmtd.engine.phrase_table import PhraseTable
 from dmtd.engine.sequence import Sequence, SequenceStatus
@@ -56,6 +56,7 @@ class VerifiedCycles:
         self.phrase_drafts = PhraseTableDrafts(phrase_table) if phrase_table is not None else None
         self.sources = context_sources(self.phrase_drafts)  # the pass-free sources (context_drafts)
         self.forced_drafts = True  # a grammar's forced tokens are drafts of exact greedy requests (forced)
+        self.tail_stand_in: TailStandIn | None = None  # greedy tails' tokens replaced (the bench's oracle drafter)
 
     def enable(self) -> None:
         """The first exact request: the verifier's KV, and a tail's prior cost. Before any draft is measured, a tail
@@ -142,6 +143,8 @@ class VerifiedCycles:
         results = self.requests.fail([s for s, ok in zip(seqs, d.finite) if not ok])
         for i in (i for i, ok in enumerate(d.finite) if ok):
             s, tok = seqs[i], d.tokens[i]
+            if self.tail_stand_in is not None and s.params.greedy:
+                tok = self.tail_stand_in.replace(s, tok)
             s.draft.q.append(d.q[i])
             self.kv.drafted(s)
             s.draft.add([tok], TAILS)

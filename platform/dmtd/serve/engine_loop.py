@@ -257,7 +257,8 @@ class EngineLoop:
         try:
             params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=r.seed,
                                     max_new_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids),
-                                    stop=list(r.stop), ignore_eos=r.ignore_eos, tau=tau, min_confidence=conf,
+                                    stop=list(r.stop), ignore_eos=r.ignore_eos, min_tokens=r.min_tokens, tau=tau,
+                                    min_confidence=conf,
                                     exact=r.profile == "exact", presence_penalty=r.presence_penalty,
                                     frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
                                     logit_bias={int(t): float(b) for t, b in r.logit_bias}, grammar=r.grammar or None,

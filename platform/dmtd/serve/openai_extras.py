@@ -1,11 +1,11 @@
 """vLLM's extra sampling parameters on the OpenAI endpoints (what ``vllm bench serve``, guidellm, inference-perf and
 genai-perf send beside the OpenAI fields).
 
-Each is either served (``ignore_eos``, ``stop_token_ids``, ``min_tokens`` at 0 or at the request's max tokens,
-``top_k`` -1 as off, ``best_of`` equal to ``n``, ``request_id``) or accepted only at the value that is our behaviour
-already (``min_p`` 0, ``skip_special_tokens`` true, ``echo`` false, ...); any other value is refused with a 400 that
-names the parameter, the value this server serves and why. A key that is neither OpenAI's nor one of these is refused
-as before (``Unrecognized request argument supplied``).
+Each is either served (``ignore_eos``, ``stop_token_ids``, ``min_tokens``: no EOS, stop token or stop string ends
+the output before it, as vLLM's; ``top_k`` -1 as off, ``best_of`` equal to ``n``, ``request_id``) or accepted only at
+the value that is our behaviour already (``min_p`` 0, ``skip_special_tokens`` true, ``echo`` false, ...); any other
+value is refused with a 400 that names the parameter, the value this server serves and why. A key that is neither
+OpenAI's nor one of these is refused as before (``Unrecognized request argument supplied``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class VllmExtras(BaseModel):
 
     ignore_eos: bool | None = Field(None, description="vLLM extension: go on past the end-of-sequence token")
     min_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT, description=(
-        "vLLM extension: 0, or the request's max tokens (no stop before them, as ignore_eos)"))
+        "vLLM extension: no EOS, stop token or stop string ends the completion before this many tokens"))
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP,
                                                  description="vLLM extension: token ids that end the completion")
     best_of: int | None = Field(None, ge=1, description="vLLM extension: served when equal to n")
@@ -129,8 +129,7 @@ def apply_extras(body: Any, req: ReplicaRequest, n: int) -> None:
     m = body.min_tokens or 0
     if m > req.max_new_tokens:
         raise InvalidRequest("min_tokens", f"must be <= max_tokens ({req.max_new_tokens}), got {m}")
-    if m == req.max_new_tokens:  # nothing may end it before max tokens: no EOS, no stop string or stop token
+    if m == req.max_new_tokens:  # nothing may end it before max tokens: no EOS, stop token or string (no shaping)
         req.ignore_eos, req.stop, req.stop_token_ids = True, [], []
-    elif m:
-        raise InvalidRequest("min_tokens", f"{m} is not supported by this server: it serves 0 or max_tokens "
-                             f"({req.max_new_tokens}, then nothing ends the completion earlier, as ignore_eos)")
+    else:
+        req.min_tokens = m
