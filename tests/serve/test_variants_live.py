@@ -93,7 +93,7 @@ def test_corrupt_files_are_refused_naming_the_variant_and_the_others_serve(stack
     report = wait_for(lambda: (r := stack_replica(stack).served_variants.remote().result())["failed"].get(
         "smol-broken") and r)
     assert "checksum mismatch" in report["failed"]["smol-broken"]
-    r = wait_for(lambda: (got := chat(stack, "smol-broken")).status_code == 404 and got)
+    r = wait_for(lambda: [got] if (got := chat(stack, "smol-broken")).status_code == 404 else None)[0]
     assert "smol-broken" in r.text and "checksum mismatch" in r.text
     with DMTDClient(stack.grpc_target) as c, pytest.raises(grpc.RpcError) as e:
         list(c.generate(messages=PROMPT, variant="smol-broken", max_new_tokens=4, timeout_s=60))
