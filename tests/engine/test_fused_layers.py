@@ -61,7 +61,7 @@ def test_fused_draft_layers_compute_the_layer_loop_with_the_packed_draft_weights
 
     for start, end in ((0, dmtd.thinking_start), (dmtd.decoding_start, dmtd.num_layers)):
         reset()
-        fused = r.verified._draft_stack(h, start, end, slot, last)
+        fused = r.verified._draft_stack(h, start, end, slot, last, r.drafts.fused_for(""))  # the engine's own
         kv_fused = [(k.clone(), v.clone()) for k, v in r.kv]
         reset()
         ctx = r.state.context([slot], torch.arange(last - rows + 1, last + 1)[None], None)
