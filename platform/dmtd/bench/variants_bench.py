@@ -32,6 +32,8 @@ def add_variants_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=64, help="chat requests of each run")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="one-variant and mixed runs alternated this many times")
+    p.add_argument("--numbered", action=argparse.BooleanOptionalAction, default=True,
+                   help="distinct prompts (the chats numbered); --no-numbered: the 8 chats asked over and over")
     p.add_argument("--profile", default="exact", choices=("exact", "dmtd"))
     p.add_argument("--system-tokens", type=int, default=512, help="the shared system prompt of the prefix run")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
@@ -134,7 +136,8 @@ def run_variants_bench(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, exact=args.profile == "exact",
                             tau=None if args.profile == "exact" else 3)
     # distinct prompts (the same chats, numbered): no request reads another's answer from the caches
-    prompts = [[{"role": "user", "content": f"{CHATS[i % len(CHATS)]} (request {i})"}] for i in range(args.requests)]
+    prompts = [[{"role": "user", "content": CHATS[i % len(CHATS)] + (f" (request {i})" if args.numbered else "")}]
+               for i in range(args.requests)]
     closed_loop(engine, prompts[:4], names[:1] * 4, 4, params)  # warm-up (packing, first passes)
     # each variant alone (the engine's own first: "one variant"), then all mixed in the same batches; alternated
     labels = [n or own for n in names]
