@@ -95,7 +95,8 @@ def test_a_frame_carries_blocks_and_their_usage_both_ways():
 
 def _core(replica: DMTDReplica, sink: BlockSink | None, **handle_kw: Any) -> tuple[GatewayCore, LocalHandle]:
     handle = LocalHandle(replica, **handle_kw)
-    return GatewayCore(Router({"v": Route("v", handle)}, "v"), 8, sink=sink, push_grace_s=2.0), handle
+    own = replica.variants.set.own  # the route's name is the variant the replica serves
+    return GatewayCore(Router({own: Route(own, handle)}, own), 8, sink=sink, push_grace_s=2.0), handle
 
 
 def _watch_items(handle: LocalHandle) -> list[Any]:
@@ -123,7 +124,7 @@ async def _pushing_setup(tokens: int) -> tuple[DMTDReplica, list[Block], BlockSi
 
 
 async def _through(core: GatewayCore, r: ReplicaRequest) -> list[Block]:
-    return [b async for b in core.stream(core.admit("v"), r)]
+    return [b async for b in core.stream(core.admit(core.router.default), r)]
 
 
 def test_pushed_blocks_equal_the_streamed_ones_and_nothing_travels_through_the_call():
@@ -169,7 +170,7 @@ def test_errors_cancellation_and_lost_frames_on_the_pushed_path():
             await _through(core, req("bad", 20, top_p=7.0))
         out["bad"] = bad.value
         got = 0
-        stream = core.stream(core.admit("v"), req("victim", 200))
+        stream = core.stream(core.admit(core.router.default), req("victim", 200))
         async for _ in stream:  # the client goes away after two blocks
             got += 1
             if got == 2:
